@@ -1,0 +1,257 @@
+"""The OpenAI-compatible HTTP API.
+
+Every request is checked before it costs anything downstream: body size (413),
+JSON and field types (400, naming the field), the model (404), prompt and
+``max_tokens`` against the context (400). Then it is tokenized here, with the
+model's own tokenizer and chat template, cut into blocks with chained keys, and
+submitted to the scheduler (429 or 503 when refused). The response subscribes to
+its token stream before submitting, so no token can arrive unheard.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+import msgspec
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ingress.config import IngressConfig
+from ingress.errors import (
+    ApiError,
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    RateLimited,
+    RequestTooLarge,
+    Unavailable,
+)
+from ingress.generation import Generation, GenerationContext, Kind
+from ingress.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    check_sampling,
+    decode_body,
+    stop_strings,
+)
+from ingress.streams import StreamRouter
+from ingress.text import TextAssembler
+from ingress.tokenizer import ModelTokenizer
+from kvbus import block_keys, salt_for
+from observability import tracing
+from observability.bus import BusStats
+from observability.metrics import CONTENT_TYPE, ServingMetrics
+from schemas import (
+    Admitted,
+    ClusterStatus,
+    Rejected,
+    RequestSpec,
+    SamplingParams,
+    StatusRequest,
+    SubmitRequest,
+    codec,
+    subjects,
+)
+
+log = logging.getLogger(__name__)
+
+TENANT_HEADER = "x-switchyard-tenant"
+SESSION_HEADER = "x-session-affinity"
+_TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class Ingress:
+    def __init__(self, config: IngressConfig, tokenizer: ModelTokenizer, nc, router: StreamRouter,
+                 metrics: ServingMetrics, bus_stats: BusStats) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = config.served_model_name or tokenizer.info.name
+        self.nc = nc
+        self.router = router
+        self.metrics = metrics
+        self.bus_stats = bus_stats
+        self.ingress_id = config.ingress_id
+        self._gen_ctx = GenerationContext(nc=nc, router=router, metrics=metrics,
+                                          idle_timeout_s=config.stream_idle_timeout_s)
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+        ], exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+
+    # --- endpoints --------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = decode_body(await self._read_body(request), ChatCompletionRequest)
+        self._check_common(body)
+        prompt = self.tokenizer.encode_chat(chat_messages(body))
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return await self._generate(request, "chat", body, prompt, self._max_tokens(len(prompt), requested, param))
+
+    async def completions(self, request: Request) -> Response:
+        body = decode_body(await self._read_body(request), CompletionRequest)
+        self._check_common(body)
+        if body.echo:
+            raise InvalidRequest("`echo` is not supported.", param="echo")
+        prompt = self._completion_prompt(body.prompt)
+        return await self._generate(request, "completion", body, prompt,
+                                    self._max_tokens(len(prompt), body.max_tokens, "max_tokens"))
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "switchyard",
+                "max_model_len": self.tokenizer.info.max_context}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            reply = await self.nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(StatusRequest()),
+                                          timeout=1.0)
+        except (NoRespondersError, NatsTimeout):
+            return JSONResponse({"status": "unavailable", "reason": "no scheduler answers"}, 503)
+        status = codec.SCHEDULER_REPLY.decode(reply.data)
+        assert isinstance(status, ClusterStatus)
+        roles = [w.role for w in status.workers]
+        body = {"status": "ok", "model": self.model, "prefill_workers": roles.count("prefill"),
+                "decode_workers": roles.count("decode"), "queued_requests": status.queued_requests,
+                "in_flight_requests": len(self.router)}
+        if not (body["prefill_workers"] and body["decode_workers"]):
+            body["status"] = "unavailable"
+            return JSONResponse(body, 503)
+        return JSONResponse(body)
+
+    async def metrics_text(self, request: Request) -> Response:
+        self.metrics.bus_dropped.set(self.bus_stats.dropped)
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    # --- checks ------------------------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise RequestTooLarge(f"The request body is {declared} bytes; the limit is {limit}.")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+            parts.append(part)
+        return b"".join(parts)
+
+    def _check_common(self, body) -> None:
+        if body.model != self.model:
+            raise ModelNotFound(body.model)
+        check_sampling(body)
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if all(isinstance(p, int) for p in prompt):
+            vocab = self.tokenizer.info.vocab_size
+            if not prompt or any(not 0 <= t < vocab for t in prompt):
+                raise InvalidRequest(f"Token ids must be a non-empty list in [0, {vocab}).", param="prompt")
+            return list(prompt)
+        if len(prompt) != 1:
+            raise InvalidRequest("Only one prompt per request is supported.", param="prompt")
+        return self.tokenizer.encode(prompt[0])
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        context = self.tokenizer.info.max_context
+        if prompt_len == 0:
+            raise InvalidRequest("The prompt is empty.", param="prompt")
+        if prompt_len >= context:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {context} tokens; the prompt has {prompt_len}.")
+        if requested is None:
+            return min(self.config.default_max_tokens, context - prompt_len)
+        if requested < 1:
+            raise InvalidRequest(f"`{param}` must be at least 1, got {requested}.", param=param)
+        if prompt_len + requested > context:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {context} tokens; you asked for {prompt_len} "
+                f"prompt tokens plus {requested} completion tokens.", param=param)
+        return requested
+
+    # --- generation ----------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, kind: Kind, body, prompt: list[int], max_tokens: int) -> Response:
+        tenant = request.headers.get(TENANT_HEADER, "default")
+        if not _TENANT_RE.match(tenant):
+            raise InvalidRequest(f"Header {TENANT_HEADER} must match {_TENANT_RE.pattern}.")
+        spec = self._spec(kind, body, prompt, max_tokens, tenant, request.headers.get(SESSION_HEADER))
+        stops = stop_strings(body.stop)
+        span = tracing.tracer().start_span(f"POST {request.url.path}", kind=SpanKind.SERVER)
+        span.set_attribute("switchyard.request_id", spec.request_id)
+        chunks = self.router.open(spec.request_id, max_tokens)  # before submitting: hear every token
+        try:
+            await self._submit(spec, trace.set_span_in_context(span))
+        except ApiError as exc:
+            self.router.close(spec.request_id)
+            self.metrics.requests.labels(outcome=f"rejected_{exc.status}").inc()
+            span.set_attribute("switchyard.outcome", f"rejected_{exc.status}")
+            span.end()
+            raise
+        self.metrics.in_flight.inc()
+        include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        return Generation(ctx=self._gen_ctx, kind=kind, spec=spec, model=self.model, stream=body.stream,
+                          include_usage=include_usage,
+                          assembler=TextAssembler(self.tokenizer.decode_stream(), stops),
+                          chunks=chunks, span=span, arrived=time.monotonic())
+
+    def _spec(self, kind: Kind, body, prompt: list[int], max_tokens: int, tenant: str,
+              session: str | None) -> RequestSpec:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        sampling = SamplingParams(max_tokens=max_tokens,
+                                  temperature=1.0 if body.temperature is None else body.temperature,
+                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+        keys = block_keys(prompt, self.config.block_size, salt_for(tenant, self.model))
+        return RequestSpec(request_id=f"{prefix}-{uuid.uuid4().hex}", ingress_id=self.ingress_id,
+                           model=self.model, prompt_tokens=prompt, block_size=self.config.block_size,
+                           block_keys=keys, sampling=sampling, tenant=tenant, session=session)
+
+    async def _submit(self, spec: RequestSpec, ctx) -> None:
+        payload = codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec))
+        try:
+            msg = await self.nc.request(subjects.SUBMIT, payload, timeout=self.config.submit_timeout_s,
+                                        headers=tracing.inject(ctx))
+        except NoRespondersError:
+            raise Unavailable("No scheduler is running.", retry_after_s=1.0) from None
+        except NatsTimeout:
+            raise Unavailable("The scheduler did not answer in time.", retry_after_s=1.0) from None
+        match codec.SCHEDULER_REPLY.decode(msg.data):
+            case Admitted():
+                return
+            case Rejected(reason="overloaded", message=message, retry_after_s=wait):
+                raise RateLimited(message, code="overloaded", retry_after_s=wait)
+            case Rejected(reason="no_workers", message=message, retry_after_s=wait):
+                raise Unavailable(message, code="no_workers", retry_after_s=wait)
+            case Rejected(message=message):
+                raise InvalidRequest(message)
+            case other:
+                raise ApiError(f"unexpected scheduler reply {type(other).__name__}")
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return Response(exc.encoded(), status_code=exc.status, headers=exc.headers(),
+                    media_type="application/json")
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    error = ApiError(exc.detail or "error", code=str(exc.status_code))
+    error.status = exc.status_code
+    error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return Response(error.encoded(), status_code=exc.status_code, media_type="application/json")

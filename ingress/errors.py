@@ -1,0 +1,80 @@
+"""The ingress's error tree: each one knows its HTTP status and OpenAI error body.
+
+    ApiError                      status, type, code, param, message
+    ├── InvalidRequest            400 invalid_request_error
+    │   └── ContextLengthExceeded 400 code=context_length_exceeded
+    ├── ModelNotFound             404 code=model_not_found
+    ├── RequestTooLarge           413
+    ├── RateLimited               429 with Retry-After
+    ├── Unavailable               503 (no scheduler / no workers)
+    └── GenerationFailed          502 (a worker was lost mid-request)
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class ApiError(Exception):
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def encoded(self) -> bytes:
+        return msgspec.json.encode(self.body())
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class InvalidRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message, code="context_length_exceeded", param=param)
+
+
+class ModelNotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.", code="model_not_found", param="model")
+
+
+class RequestTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class RateLimited(ApiError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class Unavailable(ApiError):
+    status = 503
+    type = "server_error"
+
+
+class GenerationFailed(ApiError):
+    status = 502
+    type = "server_error"

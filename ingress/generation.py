@@ -1,0 +1,237 @@
+"""One generation request after admission: tokens from the bus, text to the client.
+
+``Generation`` is an ASGI response. It listens for the client going away while it
+streams; on any ending that the workers did not cause (a disconnect, a stop string,
+an error) it broadcasts a ``Cancel`` so that every worker drops the request. Cleanup
+is shielded, so a cancelled request still cancels, counts and closes its span.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream
+from opentelemetry.trace import Span, Status, StatusCode
+
+from ingress.errors import ApiError, GenerationFailed
+from ingress.streams import StreamFailed, StreamRouter, TokenSequencer
+from ingress.text import TextAssembler
+from observability.metrics import ServingMetrics
+from schemas import Cancel, RequestSpec, StreamChunk, StreamError, codec, subjects
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["chat", "completion"]
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+@dataclass
+class GenerationContext:
+    """What a generation needs from its ingress."""
+
+    nc: object  # nats Client
+    router: StreamRouter
+    metrics: ServingMetrics
+    idle_timeout_s: float
+
+
+@dataclass
+class Generation:
+    ctx: GenerationContext
+    kind: Kind
+    spec: RequestSpec
+    model: str
+    stream: bool
+    include_usage: bool
+    assembler: TextAssembler
+    chunks: MemoryObjectReceiveStream[StreamChunk]
+    span: Span
+    arrived: float  # monotonic
+    created: int = field(default_factory=lambda: int(time.time()))
+    sequencer: TokenSequencer = field(default_factory=TokenSequencer)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    outcome: str = "error"
+
+    # --- ASGI -------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
+                await (self._send_stream(send) if self.stream else self._send_body(send))
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._cleanup()
+
+    async def _watch_disconnect(self, receive, scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.outcome = "cancelled"
+        scope.cancel()
+
+    # --- the token loop ------------------------------------------------------------------
+
+    async def _generate(self, on_text: Callable[[str], Awaitable[None]]) -> None:
+        """Until the request ends: deltas of text to ``on_text``; raises StreamFailed."""
+        while not (self.sequencer.finished or self.assembler.stopped):
+            tokens = await self._next_tokens()
+            text = self.assembler.push(tokens)
+            if text:
+                await on_text(text)
+        tail = self.assembler.finish()
+        if tail:
+            await on_text(tail)
+
+    async def _next_tokens(self) -> list[int]:
+        try:
+            with anyio.fail_after(self.ctx.idle_timeout_s):
+                tokens = self.sequencer.feed(await self.chunks.receive())
+        except TimeoutError:
+            raise StreamFailed(_error("timeout", f"no token for {self.ctx.idle_timeout_s:.0f} s")) from None
+        except anyio.EndOfStream:
+            raise StreamFailed(_error("overflow", "the token stream overflowed")) from None
+        # Coalesce whatever else already arrived into the same delta: under load the
+        # client gets fewer, larger events instead of falling behind.
+        while not self.sequencer.finished:
+            try:
+                tokens += self.sequencer.feed(self.chunks.receive_nowait())
+            except anyio.WouldBlock:
+                break
+        if tokens:
+            now = time.monotonic()
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+        return tokens
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.assembler.stopped else (self.sequencer.finish_reason or "length")
+
+    # --- non-streaming ------------------------------------------------------------------
+
+    async def _send_body(self, send) -> None:
+        parts: list[str] = []
+
+        async def collect(text: str) -> None:
+            parts.append(text)
+
+        try:
+            await self._generate(collect)
+        except StreamFailed as exc:
+            self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
+            await _send_json(send, GenerationFailed(exc.error.message, code=exc.error.code))
+            return
+        self.outcome = "ok"
+        await _send_json(send, None, self._body("".join(parts)))
+
+    def _body(self, text: str) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": self.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+        return {"id": self.spec.request_id, "object": _OBJECT[self.kind], "created": self.created,
+                "model": self.model, "choices": [choice], "usage": self.usage()}
+
+    # --- streaming ----------------------------------------------------------------------
+
+    async def _send_stream(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        if self.kind == "chat":
+            await self._event(send, self._chunk({"role": "assistant", "content": ""}, None))
+
+        async def emit(text: str) -> None:
+            delta = {"content": text} if self.kind == "chat" else text
+            await self._event(send, self._chunk(delta, None))
+
+        try:
+            await self._generate(emit)
+        except StreamFailed as exc:
+            self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
+            await self._event(send, GenerationFailed(exc.error.message, code=exc.error.code).body())
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        self.outcome = "ok"
+        await self._event(send, self._chunk({} if self.kind == "chat" else "", self.finish_reason))
+        if self.include_usage:
+            await self._event(send, self._usage_chunk())
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _event(self, send, payload: dict) -> None:
+        data = b"data: " + msgspec.json.encode(payload) + b"\n\n"
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def _chunk(self, delta: dict | str, finish_reason: str | None) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        chunk = {"id": self.spec.request_id, "object": _CHUNK_OBJECT[self.kind], "created": self.created,
+                 "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _usage_chunk(self) -> dict:
+        return {"id": self.spec.request_id, "object": _CHUNK_OBJECT[self.kind], "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}
+
+    def usage(self) -> dict:
+        prompt = len(self.spec.prompt_tokens)
+        cached = self.sequencer.usage.cached_tokens if self.sequencer.usage else 0
+        completion = self.assembler.tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # --- the end ----------------------------------------------------------------------------
+
+    async def _cleanup(self) -> None:
+        rid = self.spec.request_id
+        self.ctx.router.close(rid)
+        if not self.sequencer.finished:  # a stop string, an error or a disconnect ended it here
+            cancel = Cancel(request_id=rid, reason=self.outcome if self.outcome != "ok" else "stop")
+            await self.ctx.nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
+        self._record()
+        self.span.set_attribute("switchyard.outcome", self.outcome)
+        self.span.end()
+
+    def _record(self) -> None:
+        m = self.ctx.metrics
+        m.in_flight.dec()
+        m.requests.labels(outcome=self.outcome).inc()
+        usage = self.sequencer.usage
+        if usage is not None:
+            m.queue_time.observe(usage.queued_s)
+            m.prompt_tokens.inc(usage.prompt_tokens)
+            m.cached_tokens.inc(usage.cached_tokens)
+        m.generation_tokens.inc(self.assembler.tokens)
+        if self.first_token_at is not None:
+            m.ttft.observe(self.first_token_at - self.arrived)
+            if self.assembler.tokens > 1 and self.last_token_at is not None:
+                m.tpot.observe((self.last_token_at - self.first_token_at) / (self.assembler.tokens - 1))
+
+
+_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+_CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
+
+
+def _error(code: str, message: str) -> StreamError:
+    return StreamError(code=code, message=message)
+
+
+async def _send_json(send, error: ApiError | None, body: dict | None = None) -> None:
+    status = error.status if error is not None else 200
+    payload = error.encoded() if error is not None else msgspec.json.encode(body)
+    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})

@@ -1,0 +1,122 @@
+"""OpenAI request bodies as msgspec Structs, and their checks.
+
+Unknown fields are ignored (clients send many we do not use); a known field of the
+wrong type is a 400 that names the field. Responses are built as plain dicts and
+encoded by msgspec: they are written once per token and need no validation.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ingress.errors import InvalidRequest
+
+
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Sampling, frozen=True, kw_only=True):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOPS = 4
+
+
+def decode_body(body: bytes, type_: type) -> msgspec.Struct:
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; expected a JSON object.")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"Invalid request: {exc}", param=_param_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+
+
+def _param_of(message: str) -> str | None:
+    # msgspec ends its messages with "- at `$.field[0].x`"
+    marker = "at `$."
+    if marker not in message:
+        return None
+    return message.split(marker, 1)[1].rstrip("`")
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages with their content flattened to text; non-text parts are refused."""
+    if not request.messages:
+        raise InvalidRequest("`messages` must hold at least one message.", param="messages")
+    out = []
+    for i, message in enumerate(request.messages):
+        if message.role not in _ROLES:
+            raise InvalidRequest(f"Unknown role {message.role!r}; expected one of {', '.join(_ROLES)}.",
+                                 param=f"messages[{i}].role")
+        out.append({"role": "system" if message.role == "developer" else message.role,
+                    "content": _text_of(message.content, i)})
+    return out
+
+
+def _text_of(content: str | list[ContentPart] | None, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise InvalidRequest(f"Content part of type {part.type!r} is not supported; only text is.",
+                                 param=f"messages[{index}].content[{j}]")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise InvalidRequest(f"At most {MAX_STOPS} stop sequences are allowed.", param="stop")
+    if any(s == "" for s in stops):
+        raise InvalidRequest("Stop sequences must not be empty.", param="stop")
+    return stops
+
+
+def check_sampling(request: _Sampling) -> None:
+    if request.n != 1:
+        raise InvalidRequest("Only n=1 is supported.", param="n")
+    if request.temperature is not None and not 0.0 <= request.temperature <= 2.0:
+        raise InvalidRequest("`temperature` must be between 0 and 2.", param="temperature")
+    if request.top_p is not None and not 0.0 < request.top_p <= 1.0:
+        raise InvalidRequest("`top_p` must be in (0, 1].", param="top_p")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequest("`stream_options` is only allowed when `stream` is true.",
+                             param="stream_options")

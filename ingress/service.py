@@ -1,0 +1,83 @@
+"""The ingress process: the HTTP server and the stream router in one task group."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+import uvicorn
+from anyio.abc import TaskStatus
+
+from ingress.app import Ingress
+from ingress.config import IngressConfig
+from ingress.streams import StreamRouter
+from ingress.tokenizer import ModelTokenizer
+from observability.bus import BusStats, connect, subscribe
+from observability.metrics import ServingMetrics
+from schemas import subjects
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the process's run() owns shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class IngressService:
+    def __init__(self, config: IngressConfig, metrics: ServingMetrics | None = None) -> None:
+        if not config.ingress_id:
+            config = msgspec.structs.replace(config, ingress_id=f"ingress-{uuid.uuid4().hex[:8]}")
+        self.config = config
+        self.tokenizer = ModelTokenizer.load(Path(config.model_dir))
+        self.metrics = metrics or ServingMetrics()
+        self.router = StreamRouter()
+        self.stats = BusStats()
+        self.url = ""
+
+    async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        sock = _bind(cfg.host, cfg.port)
+        async with connect(cfg.nats_url, cfg.ingress_id, self.stats) as nc:
+            ingress = Ingress(cfg, self.tokenizer, nc, self.router, self.metrics, self.stats)
+            server = _Server(uvicorn.Config(ingress.app, log_level="warning", access_log=False,
+                                            timeout_graceful_shutdown=5, lifespan="off"))
+            try:
+                async with anyio.create_task_group() as tg:
+                    tokens = await subscribe(nc, subjects.stream(cfg.ingress_id))
+                    tg.start_soon(self.router.serve, tokens)
+                    await nc.flush()
+                    tg.start_soon(self._serve_http, server, sock, tg.cancel_scope)
+                    while not server.started:
+                        await anyio.sleep(0.01)
+                    host, port = sock.getsockname()[:2]
+                    self.url = f"http://{host}:{port}"
+                    log.info("ingress %s serving %s at %s", cfg.ingress_id, ingress.model, self.url)
+                    task_status.started(self.url)
+            finally:
+                # Cancelled: let uvicorn close its connections, shielded, before the bus goes.
+                server.should_exit = True
+                sock.close()
+
+    @staticmethod
+    async def _serve_http(server: uvicorn.Server, sock: socket.socket, scope: anyio.CancelScope) -> None:
+        await server.serve(sockets=[sock])
+        scope.cancel()  # the server stopped on its own: the ingress stops with it
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

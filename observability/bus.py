@@ -1,0 +1,63 @@
+"""The instrumented NATS connection every service uses.
+
+Core NATS drops messages for a slow consumer rather than slowing the publisher, so
+every subscription here is created with explicit pending limits, and every drop is
+counted (``BusStats.dropped``) and logged instead of vanishing in a callback.
+Subscriptions are consumed by the caller's own task (``async for msg in
+sub.messages``), never by callbacks whose errors would disappear.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import nats
+from nats.aio.client import Client
+from nats.errors import SlowConsumerError
+
+log = logging.getLogger(__name__)
+
+PENDING_MSGS = 65_536
+PENDING_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class BusStats:
+    dropped: int = 0  # messages a slow subscription lost
+    errors: int = 0  # other asynchronous client errors
+
+
+@asynccontextmanager
+async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIterator[Client]:
+    """A connection that reconnects forever and is drained on exit (shielded)."""
+    stats = stats if stats is not None else BusStats()
+
+    async def on_error(exc: Exception) -> None:
+        if isinstance(exc, SlowConsumerError):
+            stats.dropped += 1
+            if stats.dropped in (1, 10, 100) or stats.dropped % 1000 == 0:
+                log.warning("%s: slow consumer on %s, %d messages dropped so far",
+                            name, exc.subject, stats.dropped)
+        else:
+            stats.errors += 1
+            log.warning("%s: NATS error: %r", name, exc)
+
+    nc = await nats.connect(url, name=name, error_cb=on_error, max_reconnect_attempts=-1,
+                            reconnect_time_wait=0.2, connect_timeout=5)
+    try:
+        yield nc
+    finally:
+        with anyio.move_on_after(5, shield=True):
+            if nc.is_connected:
+                await nc.drain()  # deliver what is buffered, then close
+            else:
+                await nc.close()
+
+
+async def subscribe(nc: Client, subject: str, queue: str = ""):
+    return await nc.subscribe(subject, queue=queue, pending_msgs_limit=PENDING_MSGS,
+                              pending_bytes_limit=PENDING_BYTES)

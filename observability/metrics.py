@@ -1,0 +1,45 @@
+"""Prometheus metrics of the serving path, on a registry per process (or per test)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServingMetrics:
+    """What platform teams judge us by: TTFT, TPOT, queue time, tokens and cache hits."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("switchyard_time_to_first_token_seconds",
+                              "Request arrival at the ingress to its first token.",
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram("switchyard_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per request.",
+                              registry=r, buckets=_TPOT_BUCKETS)
+        self.queue_time = Histogram("switchyard_queue_time_seconds",
+                                    "Time a request waited in the scheduler's central queue.",
+                                    registry=r, buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("switchyard_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.cached_tokens = Counter("switchyard_cached_tokens",
+                                     "Prompt tokens served from a KV cache instead of computed.",
+                                     registry=r)
+        self.generation_tokens = Counter("switchyard_generation_tokens", "Output tokens sent.",
+                                         registry=r)
+        self.requests = Counter("switchyard_requests", "Requests by outcome.", ["outcome"],
+                                registry=r)
+        self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.",
+                               registry=r)
+        self.bus_dropped = Gauge("switchyard_bus_dropped_messages",
+                                 "Messages a slow NATS subscription of this process dropped.",
+                                 registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,60 @@
+"""The scheduler's bookkeeping: what each worker holds for us and where each request is.
+
+The ledger (``WorkerState.assigned``) is the scheduler's own account of the tokens it
+placed on a worker and has not yet seen released. Placement reads the ledger, not the
+last heartbeat, so two requests arriving between heartbeats never both see an idle
+worker. Heartbeats keep workers alive and carry their budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from schemas import PrefillDone, RequestSpec, Role
+
+Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    role: Role
+    token_budget: int
+    block_size: int
+    last_seen: float
+    last_seq: int = -1
+    assigned: dict[str, int] = field(default_factory=dict)  # request_id -> tokens
+    load_tokens: int = 0
+
+    def assign(self, request_id: str, tokens: int) -> None:
+        assert request_id not in self.assigned, request_id
+        self.assigned[request_id] = tokens
+        self.load_tokens += tokens
+
+    def release(self, request_id: str) -> None:
+        self.load_tokens -= self.assigned.pop(request_id, 0)
+
+    def fits(self, tokens: int) -> bool:
+        """Within budget, or idle: a prompt larger than any budget still runs, alone."""
+        return self.load_tokens == 0 or self.load_tokens + tokens <= self.token_budget
+
+
+@dataclass
+class Tracked:
+    spec: RequestSpec
+    enqueued_at: float
+    order: int  # arrival order, the FIFO tie-break within a priority
+    phase: Phase = "queued"
+    worker_id: str | None = None
+    attempts: int = 0
+    prefill: PrefillDone | None = None  # set once prefill is done, for decode (re)placement
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.spec.prompt_tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        """KV tokens the request can come to hold on its decode worker."""
+        return self.prompt_tokens + self.spec.sampling.max_tokens

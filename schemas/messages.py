@@ -1,0 +1,236 @@
+"""Every message on the bus, as msgspec Structs.
+
+Evolution rules (msgspec's): a new field gets a default and is appended; a field's
+type never changes; decoders skip fields they do not know. Anything else is a new
+``WIRE_VERSION`` in ``schemas.subjects``.
+
+Unions are tagged (``"type"`` field) so that one typed decoder per subject can
+``match`` on the variant. Expected outcomes (rejected, no capacity) are variants,
+never exceptions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NewType
+
+import msgspec
+
+# A chained block key: key_i = H(key_{i-1}, tokens_i, salt). The ingress computes
+# them (kvbus.keys) so that every component agrees on what a prefix is.
+BlockKey = NewType("BlockKey", int)
+
+Role = Literal["prefill", "decode"]
+FinishReason = Literal["length", "stop", "abort"]
+RejectReason = Literal["overloaded", "no_workers", "too_large", "invalid"]
+
+
+class _Wire(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every bus message: immutable, keyword-only."""
+
+
+class SamplingParams(_Wire):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class RequestSpec(_Wire):
+    """One admitted generation request, as the ingress tokenized it."""
+
+    request_id: str
+    ingress_id: str
+    model: str
+    prompt_tokens: list[int]
+    block_size: int
+    block_keys: list[int]  # one per full block of prompt_tokens
+    sampling: SamplingParams
+    tenant: str = "default"
+    session: str | None = None
+    priority: int = 0  # 0 interactive; higher numbers wait behind lower ones
+
+
+# --- ingress -> scheduler (request/reply on SUBMIT) -------------------------------
+
+
+class SubmitRequest(_Wire, tag="submit"):
+    spec: RequestSpec
+
+
+class StatusRequest(_Wire, tag="status"):
+    pass
+
+
+SchedulerRequest = SubmitRequest | StatusRequest
+
+
+class Admitted(_Wire, tag="admitted"):
+    request_id: str
+    queue_position: int  # 0 when dispatched at once
+
+
+class Rejected(_Wire, tag="rejected"):
+    request_id: str
+    reason: RejectReason
+    message: str
+    retry_after_s: float = 0.0
+
+
+class WorkerSummary(_Wire):
+    worker_id: str
+    role: Role
+    inflight_tokens: int
+    running: int
+
+
+class ClusterStatus(_Wire, tag="cluster_status"):
+    workers: list[WorkerSummary]
+    queued_requests: int
+    queued_tokens: int
+
+
+SchedulerReply = Admitted | Rejected | ClusterStatus
+
+
+# --- KV handles: where a prefill left the KV blocks of a prompt --------------------
+
+
+class SimKvHandle(_Wire, tag="sim"):
+    """The sim engine's blocks: held in the prefill worker's (simulated) cache."""
+
+    worker_id: str
+    block_keys: list[int]
+    num_tokens: int
+
+
+KvHandle = SimKvHandle
+
+
+# --- scheduler -> worker (request/reply on worker_tasks(id)) ----------------------
+
+
+class PromptUsage(_Wire):
+    prompt_tokens: int
+    cached_tokens: int
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+class PrefillTask(_Wire, tag="prefill"):
+    spec: RequestSpec
+    queued_s: float
+
+
+class DecodeTask(_Wire, tag="decode"):
+    spec: RequestSpec
+    handle: KvHandle
+    first_token: int  # already streamed by the prefill worker (seq 0)
+    usage: PromptUsage
+
+
+WorkerTask = PrefillTask | DecodeTask
+
+
+class TaskAck(_Wire):
+    request_id: str
+    accepted: bool
+    reason: str = ""
+
+
+# --- workers -> scheduler (publish on WORKER_EVENTS) ------------------------------
+
+
+class LoadReport(_Wire, tag="load"):
+    """Heartbeat. The first one registers the worker; silence past the expiry removes it."""
+
+    worker_id: str
+    role: Role
+    seq: int
+    engine: str
+    model: str
+    block_size: int
+    token_budget: int  # in-flight tokens the worker accepts (prefill) / KV tokens it holds (decode)
+    inflight_tokens: int
+    running: int
+    interval_s: float
+
+
+class PrefillDone(_Wire, tag="prefill_done"):
+    worker_id: str
+    request_id: str
+    handle: KvHandle
+    first_token: int
+    usage: PromptUsage
+    finished: bool  # True when the first token already ended the request
+
+
+class PrefillFailed(_Wire, tag="prefill_failed"):
+    worker_id: str
+    request_id: str
+    message: str
+
+
+class RequestFinished(_Wire, tag="finished"):
+    worker_id: str
+    request_id: str
+    generated_tokens: int
+    reason: FinishReason
+
+
+class WorkerLeaving(_Wire, tag="leaving"):
+    worker_id: str
+
+
+WorkerEvent = LoadReport | PrefillDone | PrefillFailed | RequestFinished | WorkerLeaving
+
+
+class RollCall(_Wire):
+    """The scheduler asks every worker to report now (it has just started)."""
+
+    scheduler_id: str
+
+
+# --- anyone -> everyone (publish on CANCEL) ---------------------------------------
+
+
+class Cancel(_Wire):
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+# --- workers/scheduler -> ingress (publish on stream(ingress_id)) ------------------
+
+
+class StreamError(_Wire):
+    code: str  # "worker_lost", "prefill_failed", "internal"
+    message: str
+
+
+class StreamChunk(_Wire):
+    """Tokens of one request. ``seq`` is the output position of ``token_ids[0]``, so a
+    receiver drops what it has seen and waits for what it has not: a retried or
+    migrated request never shows a duplicated or missing token."""
+
+    request_id: str
+    seq: int
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    usage: PromptUsage | None = None  # on the prefill worker's chunk (seq 0)
+    error: StreamError | None = None  # terminal
+
+
+class StreamBatch(_Wire):
+    """One message per engine step per ingress, carrying every stream of that ingress."""
+
+    sender: str
+    chunks: list[StreamChunk]
+
+
+__all__ = [
+    "BlockKey", "Role", "FinishReason", "RejectReason", "SamplingParams", "RequestSpec",
+    "SubmitRequest", "StatusRequest", "SchedulerRequest", "Admitted", "Rejected",
+    "WorkerSummary", "ClusterStatus", "SchedulerReply", "SimKvHandle", "KvHandle",
+    "PromptUsage", "PrefillTask", "DecodeTask", "WorkerTask", "TaskAck", "LoadReport",
+    "PrefillDone", "PrefillFailed", "RequestFinished", "WorkerLeaving", "WorkerEvent",
+    "RollCall", "Cancel", "StreamError", "StreamChunk", "StreamBatch",
+]

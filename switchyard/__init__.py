@@ -1,0 +1,1 @@
+"""Switchyard: the composition root (CLI, the embedded stack, the bundled sim model)."""

@@ -1,0 +1,202 @@
+"""The ``switchyard`` command: the composition root, where flags become config trees.
+
+    switchyard up          the whole stack on this machine (private nats-server)
+    switchyard ingress     the HTTP API
+    switchyard scheduler   admission and placement
+    switchyard worker      a prefill or decode worker (--role, --engine)
+    switchyard bench ...   benchmarks
+
+Each service takes ``--nats URL`` so it can run as its own process against any NATS
+cluster. Nothing below this module reads flags or the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+
+DEFAULT_NATS = "nats://127.0.0.1:4222"
+BUNDLED_MODEL = Path(__file__).parent / "models" / "sim-tiny"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchyard", description="Disaggregated LLM serving over NATS.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run the whole stack on this machine")
+    _add_common(up, nats_default=None)
+    up.add_argument("--engine", choices=["sim"], default="sim")
+    up.add_argument("--prefill", type=_positive_int, default=1, help="prefill workers")
+    up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
+    up.add_argument("--ready-timeout-s", type=float, default=60.0)
+    _add_ingress_options(up)
+    _add_scheduler_options(up)
+    _add_worker_options(up)
+
+    ingress = sub.add_parser("ingress", help="the OpenAI-compatible HTTP API")
+    _add_common(ingress)
+    _add_ingress_options(ingress)
+
+    scheduler = sub.add_parser("scheduler", help="admission and placement")
+    _add_common(scheduler)
+    _add_scheduler_options(scheduler)
+
+    worker = sub.add_parser("worker", help="a prefill or decode worker")
+    _add_common(worker)
+    worker.add_argument("--role", choices=["prefill", "decode"], required=True)
+    worker.add_argument("--engine", choices=["sim"], default="sim")
+    worker.add_argument("--worker-id", default="")
+    worker.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="model directory")
+    worker.add_argument("--block-size", type=_positive_int, default=16)
+    _add_worker_options(worker)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    overhead = bench_sub.add_parser("overhead", help="what the fabric adds: TTFT, stream throughput, memory")
+    from bench.overhead import add_arguments
+
+    add_arguments(overhead)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser, nats_default: str | None = DEFAULT_NATS) -> None:
+    help_ = "NATS server URL" + ("" if nats_default else " (default: start a private nats-server)")
+    p.add_argument("--nats", default=nats_default, help=help_)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--trace-exporter", default="none", choices=["none", "console", "otlp"])
+
+
+def _add_ingress_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ingress")
+    if not any(a.dest == "model" for a in p._actions):
+        g.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="model directory")
+    g.add_argument("--served-model-name", default="")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    if not any(a.dest == "block_size" for a in p._actions):
+        g.add_argument("--block-size", type=_positive_int, default=16)
+    g.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024)
+    g.add_argument("--default-max-tokens", type=_positive_int, default=1024)
+    g.add_argument("--stream-idle-timeout-s", type=float, default=60.0)
+
+
+def _add_scheduler_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-queued-tokens", type=_positive_int, default=262_144)
+    g.add_argument("--worker-expiry-s", type=float, default=2.0)
+
+
+def _add_worker_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--token-budget", type=_positive_int, default=65_536)
+    g.add_argument("--report-interval-s", type=float, default=0.5)
+    g.add_argument("--sim-prefill-base-s", type=float, default=0.0)
+    g.add_argument("--sim-prefill-per-token-s", type=float, default=0.0)
+    g.add_argument("--sim-decode-step-base-s", type=float, default=0.0)
+    g.add_argument("--sim-decode-step-per-seq-s", type=float, default=0.0)
+    g.add_argument("--sim-cache-blocks", type=_positive_int, default=4096)
+
+
+# --- config trees -------------------------------------------------------------------------
+
+
+def ingress_config(args: argparse.Namespace, nats_url: str):
+    from ingress.config import IngressConfig
+
+    return IngressConfig(nats_url=nats_url, model_dir=str(args.model), served_model_name=args.served_model_name,
+                         host=args.host, port=args.port, block_size=args.block_size,
+                         max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                         stream_idle_timeout_s=args.stream_idle_timeout_s, trace_exporter=args.trace_exporter)
+
+
+def scheduler_config(args: argparse.Namespace, nats_url: str):
+    from scheduler.config import SchedulerConfig
+    from scheduler.service import SchedulerServiceConfig
+
+    core = SchedulerConfig(max_queued_tokens=args.max_queued_tokens, worker_expiry_s=args.worker_expiry_s)
+    return SchedulerServiceConfig(nats_url=nats_url, core=core)
+
+
+def worker_config(args: argparse.Namespace, nats_url: str):
+    from ingress.tokenizer import ModelTokenizer
+    from workers.config import WorkerConfig
+    from workers.sim import SimCostModel, SimEngineConfig
+
+    tokenizer = ModelTokenizer.load(args.model)
+    ordinary = tokenizer.sample_token_ids()
+    # Single-byte tokens decode to broken UTF-8 on their own; draw from merged ones.
+    low = 256 if len(ordinary) > 512 else ordinary.start
+    cost = SimCostModel(prefill_base_s=args.sim_prefill_base_s, prefill_per_token_s=args.sim_prefill_per_token_s,
+                        decode_step_base_s=args.sim_decode_step_base_s,
+                        decode_step_per_seq_s=args.sim_decode_step_per_seq_s)
+    sim = SimEngineConfig(cost=cost, cache_blocks=args.sim_cache_blocks, token_low=low, token_high=ordinary.stop)
+    return WorkerConfig(nats_url=nats_url, role=args.role, model=tokenizer.info.name, engine=args.engine,
+                        worker_id=args.worker_id, block_size=args.block_size, token_budget=args.token_budget,
+                        report_interval_s=args.report_interval_s, sim=sim)
+
+
+# --- running a service ------------------------------------------------------------------------
+
+
+def run_service(run: Callable[..., Awaitable[None]]) -> None:
+    """Run one service until it ends or SIGTERM/SIGINT arrives; then stop it cleanly."""
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+            await run()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+
+
+async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            logging.getLogger("switchyard").info("received %s, stopping", signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s {args.command:<9} %(levelname)-7s %(name)s: %(message)s")
+    from observability import tracing
+
+    tracing.configure(f"switchyard-{args.command}", args.trace_exporter)
+    match args.command:
+        case "up":
+            from switchyard.up import up
+
+            return up(args, sys.argv[0])
+        case "ingress":
+            from ingress.service import IngressService
+
+            run_service(IngressService(ingress_config(args, args.nats)).run)
+        case "scheduler":
+            from scheduler.service import SchedulerService
+
+            run_service(SchedulerService(scheduler_config(args, args.nats)).run)
+        case "worker":
+            from workers import build_worker
+
+            run_service(build_worker(worker_config(args, args.nats)).run)
+        case "bench":
+            from bench.overhead import run as run_overhead
+
+            return run_overhead(args)
+    return 0

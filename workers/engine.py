@@ -1,0 +1,48 @@
+"""What a worker needs of an engine. ``sim`` implements it now; ``vllm`` comes next.
+
+Prefill is a batch call (compute-bound: the engine batches what is queued); decode is
+continuous batching: sequences join and leave between steps, and each ``step`` yields
+one token for every running sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from schemas import DecodeTask, FinishReason, KvHandle, PrefillTask
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    cached_tokens: int
+    handle: KvHandle
+    prefill_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    request_id: str
+    token: int
+    position: int  # output position of ``token``; the prefill's first token is 0
+    finished: FinishReason | None
+
+
+class PrefillEngine(Protocol):
+    async def prefill(self, tasks: list[PrefillTask]) -> list[PrefillResult]: ...
+
+
+class DecodeEngine(Protocol):
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def held_tokens(self) -> int: ...
+
+    def add(self, task: DecodeTask) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    async def step(self) -> list[StepOutput]: ...

@@ -1,0 +1,137 @@
+"""What every worker does on the bus, whatever its role.
+
+``WorkerRuntime.run`` owns the task group: heartbeats (``LoadReport``), the task
+subscription (request/reply: accept or refuse, then work), cancels, roll calls, and
+the role's own engine loop. Roles plug in through ``Role``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Protocol
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup, TaskStatus
+from nats.aio.client import Client
+
+from observability.bus import BusStats, connect, subscribe
+from schemas import Cancel, LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
+from schemas.messages import TaskAck, WorkerEvent
+from workers.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+_REMEMBERED_CANCELS = 4096
+
+
+class Role(Protocol):
+    """A role's half of a worker."""
+
+    def inflight_tokens(self) -> int: ...
+
+    def running(self) -> int: ...
+
+    def offer(self, task: WorkerTask, headers: dict[str, str]) -> str | None:
+        """Take the task, or say why not."""
+        ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    async def serve(self, bus: "WorkerBus") -> None:
+        """The engine loop; runs until cancelled."""
+        ...
+
+
+class WorkerBus:
+    """The worker's outbound side, handed to its role."""
+
+    def __init__(self, nc: Client, config: WorkerConfig) -> None:
+        self.nc = nc
+        self.config = config
+
+    async def event(self, event: WorkerEvent) -> None:
+        await self.nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(event))
+
+    async def stream(self, ingress_id: str, chunks: list[StreamChunk]) -> None:
+        batch = StreamBatch(sender=self.config.worker_id, chunks=chunks)
+        await self.nc.publish(subjects.stream(ingress_id), codec.STREAM_BATCH.encode(batch))
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig, role: Role) -> None:
+        self.config = config
+        self.role = role
+        self.stats = BusStats()
+        self._seq = 0
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        async with connect(cfg.nats_url, cfg.worker_id, self.stats) as nc:
+            bus = WorkerBus(nc, cfg)
+            try:
+                async with anyio.create_task_group() as tg:
+                    await self._start(tg, nc, bus)
+                    log.info("%s worker %s ready (engine %s)", cfg.role, cfg.worker_id, cfg.engine)
+                    task_status.started()
+            finally:
+                with anyio.move_on_after(2, shield=True):
+                    await bus.event(WorkerLeaving(worker_id=cfg.worker_id))
+                    await nc.flush()
+
+    async def _start(self, tg: TaskGroup, nc: Client, bus: WorkerBus) -> None:
+        tasks = await subscribe(nc, subjects.worker_tasks(self.config.worker_id))
+        cancels = await subscribe(nc, subjects.CANCEL)
+        roll_calls = await subscribe(nc, subjects.ROLL_CALL)
+        tg.start_soon(self._serve_tasks, tasks)
+        tg.start_soon(self._serve_cancels, cancels)
+        tg.start_soon(self._serve_roll_calls, roll_calls, bus)
+        tg.start_soon(self.role.serve, bus)
+        await nc.flush()
+        tg.start_soon(self._heartbeat, bus)
+
+    async def _serve_tasks(self, sub) -> None:
+        async for msg in sub.messages:
+            try:
+                task = codec.WORKER_TASK.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable task: %s", exc)
+                continue
+            rid = task.spec.request_id
+            refusal = "cancelled" if rid in self._cancelled else self.role.offer(task, msg.headers or {})
+            ack = TaskAck(request_id=rid, accepted=refusal is None, reason=refusal or "")
+            await msg.respond(codec.TASK_ACK.encode(ack))
+
+    async def _serve_cancels(self, sub) -> None:
+        async for msg in sub.messages:
+            try:
+                cancel: Cancel = codec.CANCEL.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable cancel: %s", exc)
+                continue
+            # Remembered, so a task that crosses the cancel on the wire is refused.
+            self._cancelled[cancel.request_id] = None
+            if len(self._cancelled) > _REMEMBERED_CANCELS:
+                self._cancelled.popitem(last=False)
+            self.role.cancel(cancel.request_id)
+
+    async def _serve_roll_calls(self, sub, bus: WorkerBus) -> None:
+        async for _ in sub.messages:
+            await self._report(bus)
+
+    async def _heartbeat(self, bus: WorkerBus) -> None:
+        while True:
+            await self._report(bus)
+            await anyio.sleep(self.config.report_interval_s)
+
+    async def _report(self, bus: WorkerBus) -> None:
+        cfg = self.config
+        self._seq += 1
+        await bus.event(LoadReport(
+            worker_id=cfg.worker_id, role=cfg.role, seq=self._seq, engine=cfg.engine,
+            model=cfg.model, block_size=cfg.block_size, token_budget=cfg.token_budget,
+            inflight_tokens=self.role.inflight_tokens(), running=self.role.running(),
+            interval_s=cfg.report_interval_s,
+        ))
