@@ -47,7 +47,7 @@ from ingress.openai_types import (
 )
 from ingress.streams import StreamRouter
 from ingress.text import TextAssembler
-from ingress.tokenizer import ModelTokenizer
+from ingress.tokenizer import ModelTokenizer, TokenizerError
 from kvbus import block_keys, salt_for
 from observability import tracing
 from observability.bus import BusStats
@@ -97,7 +97,10 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), ChatCompletionRequest)
         self._check_common(body)
-        prompt = self.tokenizer.encode_chat(chat_messages(body))
+        try:
+            prompt = self.tokenizer.encode_chat(chat_messages(body))
+        except TokenizerError as exc:  # the template refused these messages (raise_exception)
+            raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         return await self._generate(request, "chat", body, prompt, self._max_tokens(len(prompt), requested, param))
@@ -160,13 +163,14 @@ class Ingress:
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if all(isinstance(p, int) for p in prompt):
+        if prompt and all(isinstance(p, int) for p in prompt):
             vocab = self.tokenizer.info.vocab_size
-            if not prompt or any(not 0 <= t < vocab for t in prompt):
+            if any(not 0 <= t < vocab for t in prompt):
                 raise InvalidRequest(f"Token ids must be a non-empty list in [0, {vocab}).", param="prompt")
             return list(prompt)
-        if len(prompt) != 1:
-            raise InvalidRequest("Only one prompt per request is supported.", param="prompt")
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise InvalidRequest("`prompt` must be a string, a list of one string, or a list of token ids; "
+                                 "one prompt per request.", param="prompt")
         return self.tokenizer.encode(prompt[0])
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:

@@ -46,7 +46,7 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str | int]  # text, one text in a list, or token ids
     echo: bool = False
 
 

@@ -24,6 +24,10 @@ from schemas import subjects
 log = logging.getLogger(__name__)
 
 
+class ServiceError(Exception):
+    """The ingress cannot start as configured (its message says why)."""
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the process's run() owns shutdown."""
 
@@ -77,7 +81,11 @@ def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServiceError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

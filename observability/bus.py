@@ -33,7 +33,7 @@ class BusStats:
 
 @asynccontextmanager
 async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIterator[Client]:
-    """A connection that reconnects forever and is drained on exit (shielded)."""
+    """A connection that reconnects forever; flushed and closed on exit (shielded)."""
     stats = stats if stats is not None else BusStats()
 
     async def on_error(exc: Exception) -> None:
@@ -51,11 +51,13 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
     try:
         yield nc
     finally:
+        # Flush what we published, then close. Not drain(): our subscription readers
+        # are already cancelled, so drain would wait on their pending queues forever.
         with anyio.move_on_after(5, shield=True):
             if nc.is_connected:
-                await nc.drain()  # deliver what is buffered, then close
-            else:
-                await nc.close()
+                with anyio.move_on_after(2):
+                    await nc.flush()
+            await nc.close()
 
 
 async def subscribe(nc: Client, subject: str, queue: str = ""):

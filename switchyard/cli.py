@@ -173,6 +173,25 @@ async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except _STARTUP_ERRORS as exc:
+        print(f"switchyard {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _startup_errors() -> tuple[type[Exception], ...]:
+    from ingress.service import ServiceError
+    from ingress.tokenizer import TokenizerError
+    from observability.tracing import TracingError
+
+    return (ServiceError, TokenizerError, TracingError, ValueError)
+
+
+_STARTUP_ERRORS = _startup_errors()
+
+
+def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.command:<9} %(levelname)-7s %(name)s: %(message)s")
     from observability import tracing

@@ -11,6 +11,7 @@ stops the whole stack with a non-zero exit.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import signal
 import subprocess
@@ -99,7 +100,7 @@ def _wait_ready(url: str, children: list[tuple[str, subprocess.Popen]], timeout_
                     return
         except urllib.error.HTTPError as exc:
             last = exc.read().decode(errors="replace")
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             last = str(exc)
         time.sleep(0.1)
     raise procs.ProcessError(f"the stack was not ready within {timeout_s:.0f} s: {last}")

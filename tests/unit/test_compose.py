@@ -1,0 +1,135 @@
+"""compose.yaml against the real CLI: every Switchyard service's command must parse, and the wiring holds."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from switchyard.cli import build_parser
+
+COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
+NATS_SERVICE = "nats"
+GPU_WORKERS = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    with COMPOSE.open(encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict) -> dict[str, dict]:
+    return compose["services"]
+
+
+def switchyard_services(services: dict[str, dict]) -> dict[str, list[str]]:
+    return {name: svc["command"] for name, svc in services.items()
+            if isinstance(svc.get("command"), list) and svc["command"][:1] == ["switchyard"]}
+
+
+def parse_command(command: list[str]) -> argparse.Namespace:
+    """Parse a compose `command` with the real CLI parser; fail the test (not exit) if it is rejected."""
+    assert isinstance(command, list) and all(isinstance(a, str) for a in command), command
+    assert command[:1] == ["switchyard"], command
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return build_parser().parse_args(command[1:])
+    except SystemExit as exc:
+        pytest.fail(f"switchyard rejects {command!r} (exit {exc.code}): {stderr.getvalue().strip()}")
+
+
+def depends_on(svc: dict) -> list[str]:
+    deps = svc.get("depends_on", [])
+    return list(deps) if isinstance(deps, (list, dict)) else []
+
+
+def published_ports(svc: dict) -> list[tuple[int, int]]:
+    """(host port, container port) pairs from short ("8000:8000", "127.0.0.1:8000:8000") or long syntax."""
+    pairs = []
+    for entry in svc.get("ports", []):
+        if isinstance(entry, dict):
+            target = int(entry["target"])
+            pairs.append((int(entry.get("published", target)), target))
+        else:
+            parts = str(entry).split("/")[0].split(":")
+            target = int(parts[-1])
+            pairs.append((int(parts[-2]) if len(parts) > 1 else target, target))
+    return pairs
+
+
+def test_there_are_switchyard_services(services):
+    commands = switchyard_services(services)
+    assert {"scheduler", "ingress", *GPU_WORKERS} <= commands.keys()
+
+
+def test_every_switchyard_command_parses_and_points_at_nats(services):
+    for name, command in switchyard_services(services).items():
+        args = parse_command(command)
+        assert args.nats, f"{name}: no --nats"
+        url = urlsplit(args.nats)
+        assert url.scheme == "nats", f"{name}: --nats {args.nats!r}"
+        assert url.hostname == NATS_SERVICE, f"{name}: --nats {args.nats!r} is not the {NATS_SERVICE} service"
+        assert (url.port or 4222) == 4222, f"{name}: --nats {args.nats!r}"
+        assert NATS_SERVICE in depends_on(services[name]), f"{name} does not depend on {NATS_SERVICE}"
+
+
+def test_workers_have_the_roles_they_are_named_for(services):
+    for name in GPU_WORKERS:
+        args = parse_command(services[name]["command"])
+        assert (args.command, args.role) == ("worker", name)
+
+
+def test_nats_runs_jetstream_with_a_volume(services):
+    nats = services[NATS_SERVICE]
+    assert nats["image"].startswith("nats:2.10")
+    assert nats["command"] == ["-js", "-sd", "/data", "-m", "8222"]
+    assert any(str(v).split(":")[1:2] == ["/data"] if isinstance(v, str) else v.get("target") == "/data"
+               for v in nats.get("volumes", [])), "no volume at /data"
+
+
+@pytest.mark.parametrize("name", GPU_WORKERS)
+def test_gpu_workers_reserve_a_gpu(services, name):
+    devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in d.get("capabilities", []) and (d.get("count") == 1 or d.get("device_ids"))
+               for d in devices), devices
+    assert all(d.get("driver", "nvidia") == "nvidia" for d in devices), devices
+
+
+def test_ingress_publishes_its_port(services):
+    svc = services["ingress"]
+    args = parse_command(svc["command"])
+    assert args.command == "ingress"
+    assert args.host == "0.0.0.0", "ingress must listen on all interfaces inside the container"
+    assert args.port in [target for _, target in published_ports(svc)], (args.port, svc.get("ports"))
+
+
+def test_every_dependency_exists(services):
+    for name, svc in services.items():
+        for dep in depends_on(svc):
+            assert dep in services, f"{name} depends on unknown service {dep!r}"
+
+
+def test_the_switchyard_image_is_built(services):
+    names = switchyard_services(services)
+    images = {services[n].get("image") for n in names}
+    assert len(images) == 1, f"Switchyard services use several images: {images}"
+    assert any("build" in services[n] for n in names), "nothing builds the image"
+
+
+@pytest.mark.parametrize("bad", [
+    ["switchyard", "worker", "--role", "nonsense"],
+    ["switchyard", "worker", "--engine", "sim"],  # --role is required
+    ["switchyard", "ingress", "--no-such-flag"],
+    ["switchyard", "nonsense"],
+])
+def test_a_bad_command_is_rejected(bad):
+    with pytest.raises(pytest.fail.Exception, match="switchyard rejects"):
+        parse_command(bad)
