@@ -1,3 +1,377 @@
-"""Placeholder replaced below."""
-def add_arguments(p): pass
-def run(args): return 0
+"""``switchyard bench overhead``: what the fabric itself costs, beside bare nats-py.
+
+With a zero-cost ``sim`` engine every millisecond measured is Switchyard's own:
+  (a) time to first token through ingress -> scheduler -> prefill -> decode -> SSE,
+      p50 and p99, beside a bare nats-py request/reply round trip;
+  (b) streamed tokens/s through the HTTP API at each concurrency, beside bare nats-py
+      publish/subscribe (one message per token, and one message per 256 tokens);
+  (c) resident memory of every process, idle and at the highest concurrency.
+The stack runs as separate processes, exactly as ``switchyard up`` starts it; the
+load generator shares the machine's cores with it, so the figures are a floor.
+Prints a table, writes ``results.json`` and PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import anyio
+import httpx
+import nats
+import psutil
+
+from switchyard import procs
+
+MODEL = "switchyard-sim"
+PROMPT = [{"role": "user", "content": "Measure the yard: how long does a token take to get through?"}]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("bench/results/overhead"), help="results folder")
+    p.add_argument("--ttft-requests", type=int, default=300, help="sequential requests for TTFT")
+    p.add_argument("--concurrency", default="1,64,256", help="comma-separated stream counts")
+    p.add_argument("--stream-tokens", type=int, default=256, help="max_tokens of each streamed request")
+    p.add_argument("--seconds", type=float, default=6.0, help="length of each throughput run")
+    p.add_argument("--quick", action="store_true", help="a smoke run: few requests, short runs")
+
+
+@dataclass
+class Results:
+    ttft_ms: dict = field(default_factory=dict)  # p50/p99 for the fabric and bare NATS
+    throughput: list = field(default_factory=list)  # one row per concurrency
+    bare_pubsub_tokens_per_s: dict = field(default_factory=dict)
+    rss_mib: dict = field(default_factory=dict)  # process -> {idle, loaded}
+    settings: dict = field(default_factory=dict)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.ttft_requests, args.seconds, args.stream_tokens = 40, 1.5, 64
+    levels = [int(c) for c in args.concurrency.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = Results(settings={"ttft_requests": args.ttft_requests, "concurrency": levels,
+                                "stream_tokens": args.stream_tokens, "seconds": args.seconds,
+                                "cpus": psutil.cpu_count()})
+    with ExitStack() as stack:
+        server = stack.enter_context(procs.nats_server())
+        children = _start_stack(server, stack)
+        url = f"http://127.0.0.1:{children.port}"
+        _wait_healthy(url)
+        print(f"stack up at {url}; measuring (engine cost zero)", flush=True)
+        anyio.run(_measure, url, server.url, levels, args, results, children)
+    _report(results, args.out)
+    return 0
+
+
+@dataclass
+class _Children:
+    port: int
+    processes: dict  # name -> Popen
+
+
+def _start_stack(server, stack: ExitStack) -> _Children:
+    from switchyard.cli import build_parser
+    from switchyard.up import child_commands
+
+    port = procs.free_port()
+    up_args = build_parser().parse_args(["up", "--port", str(port), "--log-level", "warning"])
+    processes = {}
+    for name, command in child_commands(up_args, server.url):
+        processes[name] = procs.spawn(command, env=procs.child_env())
+    stack.callback(procs.stop, list(reversed(processes.values())))
+    processes["nats-server"] = server.process
+    return _Children(port=port, processes=processes)
+
+
+def _wait_healthy(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise procs.ProcessError("the stack did not become healthy")
+
+
+async def _measure(url: str, nats_url: str, levels: list[int], args, results: Results, children: _Children) -> None:
+    results.rss_mib = {name: {"idle": _rss(p.pid)} for name, p in children.processes.items()}
+    limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
+    async with httpx.AsyncClient(base_url=url + "/v1", timeout=60, limits=limits) as client:
+        await _ttft(client, nats_url, args.ttft_requests, results)
+        for level in levels:
+            sampler = _RssSampler(children.processes) if level == max(levels) else None
+            row = await _throughput(client, level, args.stream_tokens, args.seconds, sampler)
+            results.throughput.append(row)
+            if sampler is not None:
+                for name, peak in sampler.peaks.items():
+                    results.rss_mib[name]["loaded"] = peak
+            print(f"  {level:>4} streams: {row['tokens_per_s']:>9.0f} tokens/s", flush=True)
+    results.bare_pubsub_tokens_per_s = {
+        "one_message_per_token": await _bare_pubsub(nats_url, tokens_per_message=1, seconds=args.seconds / 2),
+        "one_message_per_256_tokens": await _bare_pubsub(nats_url, tokens_per_message=256,
+                                                          seconds=args.seconds / 2),
+    }
+
+
+# --- (a) time to first token ---------------------------------------------------------------------
+
+
+async def _ttft(client: httpx.AsyncClient, nats_url: str, n: int, results: Results) -> None:
+    for _ in range(10):  # warm the connections and code paths
+        await _first_token_s(client)
+    fabric = [await _first_token_s(client) for _ in range(n)]
+    bare = await _bare_request_reply(nats_url, n)
+    results.ttft_ms = {"fabric_p50": _pct(fabric, 50) * 1e3, "fabric_p99": _pct(fabric, 99) * 1e3,
+                       "nats_rr_p50": _pct(bare, 50) * 1e3, "nats_rr_p99": _pct(bare, 99) * 1e3,
+                       "fabric_samples_ms": [x * 1e3 for x in fabric], "nats_samples_ms": [x * 1e3 for x in bare]}
+    print(f"  TTFT p50 {results.ttft_ms['fabric_p50']:.2f} ms (bare NATS request/reply "
+          f"{results.ttft_ms['nats_rr_p50']:.2f} ms)", flush=True)
+
+
+async def _first_token_s(client: httpx.AsyncClient) -> float:
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 2, "stream": True}
+    started = time.perf_counter()
+    first = None
+    async with client.stream("POST", "/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError("stream ended without a token")
+    return first
+
+
+async def _bare_request_reply(nats_url: str, n: int) -> list[float]:
+    payload = b"x" * 200
+    responder = await nats.connect(nats_url)
+    requester = await nats.connect(nats_url)
+    try:
+        async def echo(msg):
+            await msg.respond(msg.data)
+
+        await responder.subscribe("bench.echo", cb=echo)
+        await responder.flush()
+        samples = []
+        for i in range(n + 10):
+            started = time.perf_counter()
+            await requester.request("bench.echo", payload, timeout=5)
+            if i >= 10:
+                samples.append(time.perf_counter() - started)
+        return samples
+    finally:
+        await requester.close()
+        await responder.close()
+
+
+# --- (b) streamed tokens per second --------------------------------------------------------------
+
+
+async def _throughput(client: httpx.AsyncClient, streams: int, max_tokens: int, seconds: float,
+                      sampler: "_RssSampler | None") -> dict:
+    tokens = 0
+    requests = 0
+    deadline = time.perf_counter() + seconds
+
+    async def one_stream() -> None:
+        nonlocal tokens, requests
+        while time.perf_counter() < deadline:
+            got = await _stream_tokens(client, max_tokens)  # not `tokens += await ...`: that
+            tokens += got  # reads `tokens` before the await and loses other streams' counts
+            requests += 1
+
+    if sampler is not None:
+        sampler.start()
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(streams):
+            tg.start_soon(one_stream)
+    elapsed = time.perf_counter() - started
+    if sampler is not None:
+        sampler.stop()
+    return {"streams": streams, "tokens": tokens, "requests": requests, "seconds": elapsed,
+            "tokens_per_s": tokens / elapsed}
+
+
+async def _stream_tokens(client: httpx.AsyncClient, max_tokens: int) -> int:
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    usage = None
+    async with client.stream("POST", "/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith('data: {') and '"usage":{' in line:
+                usage = json.loads(line[6:])["usage"]
+    if usage is None:
+        raise RuntimeError("stream ended without usage")
+    return usage["completion_tokens"]
+
+
+async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -> float:
+    """Tokens/s that bare nats-py moves publisher -> subscriber in one process."""
+    from schemas import StreamBatch, StreamChunk, codec
+
+    chunks = [StreamChunk(request_id=f"r{i}", seq=i, token_ids=[1000 + i]) for i in range(tokens_per_message)]
+    payload = codec.STREAM_BATCH.encode(StreamBatch(sender="bench", chunks=chunks))
+    pub = await nats.connect(nats_url)
+    sub_nc = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
+    try:
+        sub = await sub_nc.subscribe("bench.tokens", pending_msgs_limit=1_000_000,
+                                     pending_bytes_limit=1024 * 1024 * 1024)
+        await sub_nc.flush()
+        received = 0
+        sent = 0
+        done = anyio.Event()
+
+        async def consume():
+            nonlocal received
+            async for msg in sub.messages:
+                codec.STREAM_BATCH.decode(msg.data)
+                received += 1
+                if done.is_set() and received >= sent:
+                    return
+
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            while time.perf_counter() - started < seconds:
+                for _ in range(100):
+                    await pub.publish("bench.tokens", payload)
+                sent += 100
+                await anyio.sleep(0)
+            await pub.flush()
+            done.set()
+            await pub.publish("bench.tokens", payload)
+            sent += 1
+            await pub.flush()
+        elapsed = time.perf_counter() - started
+        return received * tokens_per_message / elapsed
+    finally:
+        await pub.close()
+        await sub_nc.close()
+
+
+# --- (c) memory -------------------------------------------------------------------------------
+
+
+def _rss(pid: int) -> float:
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return float("nan")
+
+
+class _RssSampler:
+    def __init__(self, processes: dict) -> None:
+        self.processes = processes
+        self.peaks = {name: 0.0 for name in processes}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            for name, proc in self.processes.items():
+                self.peaks[name] = max(self.peaks[name], _rss(proc.pid))
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def _pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+def _report(results: Results, out: Path) -> None:
+    t = results.ttft_ms
+    per_token = results.bare_pubsub_tokens_per_s["one_message_per_token"]
+    batched = results.bare_pubsub_tokens_per_s["one_message_per_256_tokens"]
+    lines = ["", "== time to first token, zero-cost engine (ms) ==",
+             f"{'':<34}{'p50':>9}{'p99':>9}",
+             f"{'switchyard HTTP->NATS->P->D->SSE':<34}{t['fabric_p50']:>9.2f}{t['fabric_p99']:>9.2f}",
+             f"{'bare nats-py request/reply':<34}{t['nats_rr_p50']:>9.2f}{t['nats_rr_p99']:>9.2f}",
+             f"{'ratio':<34}{t['fabric_p50'] / t['nats_rr_p50']:>9.1f}{t['fabric_p99'] / t['nats_rr_p99']:>9.1f}",
+             "", "== streamed tokens/s through the HTTP API ==",
+             f"{'streams':>8}{'tokens/s':>12}{'requests':>10}{'vs bare pub/sub 1/token':>26}"
+             f"{'vs bare 256/msg':>17}"]
+    for row in results.throughput:
+        lines.append(f"{row['streams']:>8}{row['tokens_per_s']:>12.0f}{row['requests']:>10}"
+                     f"{row['tokens_per_s'] / per_token:>26.2f}{row['tokens_per_s'] / batched:>17.3f}")
+    lines += [f"bare nats-py pub/sub, one message per token:   {per_token:>10.0f} tokens/s",
+              f"bare nats-py pub/sub, one message per 256:     {batched:>10.0f} tokens/s",
+              "", "== resident memory (MiB) ==", f"{'process':<14}{'idle':>8}{'loaded':>8}"]
+    for name, rss in results.rss_mib.items():
+        lines.append(f"{name:<14}{rss['idle']:>8.1f}{rss.get('loaded', float('nan')):>8.1f}")
+    print("\n".join(lines), flush=True)
+    (out / "results.json").write_text(json.dumps(asdict(results), indent=2))
+    _plots(results, out)
+    print(f"\nwrote {out / 'results.json'}, {out / 'ttft.png'}, {out / 'throughput.png'}, {out / 'memory.png'}")
+
+
+def _plots(results: Results, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("fabric_samples_ms", "switchyard TTFT (zero-cost engine)"),
+                       ("nats_samples_ms", "bare nats-py request/reply")):
+        xs = sorted(results.ttft_ms[key])
+        ax.plot(xs, [i / len(xs) for i in range(1, len(xs) + 1)], label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("milliseconds")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("Time to first token added by the fabric")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    levels = [str(r["streams"]) for r in results.throughput]
+    ax.bar(levels, [r["tokens_per_s"] for r in results.throughput], label="switchyard HTTP/SSE")
+    for key, style in (("one_message_per_token", "--"), ("one_message_per_256_tokens", ":")):
+        ax.axhline(results.bare_pubsub_tokens_per_s[key], linestyle=style, color="k",
+                   label=f"bare nats-py, {key.replace('_', ' ')}")
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Streamed tokens per second")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(results.rss_mib)
+    width = 0.4
+    xs = range(len(names))
+    ax.bar([x - width / 2 for x in xs], [results.rss_mib[n]["idle"] for n in names], width, label="idle")
+    ax.bar([x + width / 2 for x in xs], [results.rss_mib[n].get("loaded", 0) for n in names], width,
+           label="under load")
+    ax.set_xticks(list(xs), names, rotation=20)
+    ax.set_ylabel("MiB resident")
+    ax.set_title("Memory per process")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["add_arguments", "run"]

@@ -52,7 +52,7 @@ class IngressService:
         sock = _bind(cfg.host, cfg.port)
         async with connect(cfg.nats_url, cfg.ingress_id, self.stats) as nc:
             ingress = Ingress(cfg, self.tokenizer, nc, self.router, self.metrics, self.stats)
-            server = _Server(uvicorn.Config(ingress.app, log_level="warning", access_log=False,
+            server = _Server(uvicorn.Config(ingress.app, log_level="warning", access_log=False, http=_http_impl(),
                                             timeout_graceful_shutdown=5, lifespan="off"))
             try:
                 async with anyio.create_task_group() as tg:
@@ -77,10 +77,22 @@ class IngressService:
         scope.cancel()  # the server stopped on its own: the ingress stops with it
 
 
+def _http_impl() -> str:
+    """httptools (C parser) where installed, else h11."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto
+    # is IPPROTO_TCP, and without it Nagle plus delayed ACKs add 40 ms to every response.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

@@ -160,7 +160,16 @@ def run_service(run: Callable[..., Awaitable[None]]) -> None:
             await run()
             tg.cancel_scope.cancel()
 
-    anyio.run(main)
+    # uvloop where installed (a declared dependency on Linux): about half the per-hop cost.
+    anyio.run(main, backend_options={"use_uvloop": _has_uvloop()})
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
@@ -192,11 +201,11 @@ _STARTUP_ERRORS = _startup_errors()
 
 
 def _main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
                         format=f"%(asctime)s {args.command:<9} %(levelname)-7s %(name)s: %(message)s")
     from observability import tracing
 
-    tracing.configure(f"switchyard-{args.command}", args.trace_exporter)
+    tracing.configure(f"switchyard-{args.command}", getattr(args, "trace_exporter", "none"))
     match args.command:
         case "up":
             from switchyard.up import up

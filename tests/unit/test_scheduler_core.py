@@ -1,0 +1,571 @@
+"""SchedulerCore: admission, placement, queueing and failure handling, with a fake clock.
+
+Each test drives the core through a ``Harness`` that checks the core's own invariants
+and a few of ours (the ledger and the phases agree) after every single step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from factories import (
+    FakeClock,
+    load_report,
+    make_spec,
+    prefill_done,
+    prefill_failed,
+    request_finished,
+    worker_leaving,
+)
+from scheduler import Dispatch, FailStream, SchedulerConfig, SchedulerCore
+from schemas import Admitted, DecodeTask, PrefillTask, Rejected, RequestSpec, WorkerEvent
+
+
+class Harness:
+    """The core, a fake clock, and checks after every step."""
+
+    def __init__(self, **config: Any) -> None:
+        self.core = SchedulerCore(SchedulerConfig(**config))
+        self.clock = FakeClock()
+
+    def check(self) -> None:
+        self.core.check_invariants()
+        check_ledger(self.core)
+
+    def submit(self, spec: RequestSpec) -> tuple[Admitted | Rejected, list]:
+        reply, actions = self.core.submit(spec, self.clock.now)
+        self.check()
+        return reply, actions
+
+    def admit(self, spec: RequestSpec) -> list:
+        reply, actions = self.submit(spec)
+        assert isinstance(reply, Admitted), reply
+        return actions
+
+    def event(self, event: WorkerEvent) -> list:
+        actions = self.core.on_event(event, self.clock.now)
+        self.check()
+        return actions
+
+    def report(self, worker_id: str, role: str = "prefill", budget: int = 1000) -> list:
+        return self.event(load_report(worker_id, role, budget=budget))  # type: ignore[arg-type]
+
+    def cancel(self, request_id: str) -> list:
+        actions = self.core.on_cancel(request_id, self.clock.now)
+        self.check()
+        return actions
+
+    def dispatch_failed(self, worker_id: str, request_id: str, worker_gone: bool = False) -> list:
+        actions = self.core.on_dispatch_failed(worker_id, request_id, worker_gone, self.clock.now)
+        self.check()
+        return actions
+
+    def tick(self, advance: float = 0.0) -> list:
+        self.clock.advance(advance)
+        actions = self.core.tick(self.clock.now)
+        self.check()
+        return actions
+
+    def phase(self, request_id: str) -> str | None:
+        tracked = self.core.requests.get(request_id)
+        return tracked.phase if tracked else None
+
+    def load(self, worker_id: str) -> int:
+        return self.core.workers[worker_id].load_tokens
+
+
+def check_ledger(core: SchedulerCore) -> None:
+    """No request is both queued and placed; every placed request is on its worker's ledger."""
+    placed: dict[str, str] = {}
+    for worker in core.workers.values():
+        for rid in worker.assigned:
+            assert rid not in placed, f"{rid} on both {placed[rid]} and {worker.worker_id}"
+            placed[rid] = worker.worker_id
+    for rid, tracked in core.requests.items():
+        if tracked.phase in ("prefill", "decode"):
+            assert placed.get(rid) == tracked.worker_id, (rid, tracked.phase, tracked.worker_id)
+        else:
+            assert tracked.worker_id is None and rid not in placed, (rid, tracked.phase)
+    for rid, wid in placed.items():
+        role = core.workers[wid].role
+        phase = core.requests[rid].phase
+        assert (role, phase) in {("prefill", "prefill"), ("decode", "decode")}, (rid, wid, phase)
+    status = core.status()
+    queued = [t for t in core.requests.values() if t.phase == "queued"]
+    assert status.queued_requests == len(queued)
+    assert status.queued_tokens == sum(t.prompt_tokens for t in queued)
+
+
+def dispatches(actions: list, kind: type | None = None) -> list[Dispatch]:
+    found = [a for a in actions if isinstance(a, Dispatch)]
+    return [a for a in found if kind is None or isinstance(a.task, kind)]
+
+
+def dispatched(actions: list, kind: type = PrefillTask) -> list[tuple[str, str]]:
+    """(request_id, worker_id) of each dispatch of ``kind``, in order."""
+    return [(a.task.spec.request_id, a.worker_id) for a in dispatches(actions, kind)]
+
+
+def failures(actions: list) -> list[FailStream]:
+    return [a for a in actions if isinstance(a, FailStream)]
+
+
+def cluster(h: Harness, prefill: dict[str, int], decode: dict[str, int]) -> None:
+    for wid, budget in prefill.items():
+        assert h.report(wid, "prefill", budget) == []
+    for wid, budget in decode.items():
+        assert h.report(wid, "decode", budget) == []
+
+
+# --- admission ---------------------------------------------------------------------------
+
+
+def test_submit_with_no_workers_is_rejected() -> None:
+    h = Harness()
+    spec = make_spec("r1")
+    reply, actions = h.submit(spec)
+    assert isinstance(reply, Rejected)
+    assert reply.reason == "no_workers" and reply.retry_after_s >= 1
+    assert actions == [] and "r1" not in h.core.requests
+
+
+def test_submit_with_only_prefill_workers_names_the_missing_role() -> None:
+    h = Harness()
+    h.report("p1", "prefill")
+    reply, _ = h.submit(make_spec("r1"))
+    assert isinstance(reply, Rejected) and reply.reason == "no_workers"
+    assert "decode" in reply.message and "prefill" not in reply.message
+
+
+def test_duplicate_request_id_is_invalid() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 1000})
+    h.admit(make_spec("r1"))
+    reply, actions = h.submit(make_spec("r1"))
+    assert isinstance(reply, Rejected) and reply.reason == "invalid"
+    assert actions == []
+
+
+def test_queued_tokens_over_the_limit_are_rejected_as_overloaded() -> None:
+    h = Harness(max_queued_tokens=100, default_prefill_tokens_per_s=10.0)
+    cluster(h, {"p1": 50}, {"d1": 10_000})
+    assert dispatched(h.admit(make_spec("r1", prompt_len=50))) == [("r1", "p1")]
+    reply, actions = h.submit(make_spec("r2", prompt_len=60))
+    assert reply == Admitted(request_id="r2", queue_position=1) and actions == []
+    reply, actions = h.submit(make_spec("r3", prompt_len=41))
+    assert isinstance(reply, Rejected) and reply.reason == "overloaded"
+    # backlog = 60 queued + 50 in flight, at 10 tokens/s on one worker: 11 s
+    assert reply.retry_after_s == 11.0
+    assert actions == [] and "r3" not in h.core.requests
+    reply, _ = h.submit(make_spec("r4", prompt_len=40))  # exactly at the limit: admitted
+    assert reply == Admitted(request_id="r4", queue_position=2)
+
+
+def test_retry_after_is_at_least_one_second() -> None:
+    h = Harness(max_queued_tokens=10, default_prefill_tokens_per_s=1e9)
+    cluster(h, {"p1": 5}, {"d1": 10_000})
+    h.admit(make_spec("r1", prompt_len=5))
+    h.admit(make_spec("r2", prompt_len=5))
+    reply, _ = h.submit(make_spec("r3", prompt_len=6))
+    assert isinstance(reply, Rejected) and reply.reason == "overloaded"
+    assert reply.retry_after_s >= 1
+
+
+def test_a_big_prompt_is_admitted_when_nothing_is_queued() -> None:
+    h = Harness(max_queued_tokens=100)
+    cluster(h, {"p1": 50}, {"d1": 10_000})
+    assert dispatched(h.admit(make_spec("r1", prompt_len=500))) == [("r1", "p1")]
+
+
+# --- prefill placement -------------------------------------------------------------------
+
+
+def test_submit_dispatches_prefill_to_least_loaded_worker() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000, "p2": 1000, "p3": 1000}, {"d1": 10_000})
+    a, b, c = make_spec("a", prompt_len=100), make_spec("b", prompt_len=50), make_spec("c", prompt_len=70)
+    assert h.admit(a) == [Dispatch("p1", PrefillTask(spec=a, queued_s=0.0))]
+    assert dispatched(h.admit(b)) == [("b", "p2")]
+    assert dispatched(h.admit(c)) == [("c", "p3")]
+    assert dispatched(h.admit(make_spec("d", prompt_len=10))) == [("d", "p2")]  # 50 < 70 < 100
+    assert (h.load("p1"), h.load("p2"), h.load("p3")) == (100, 60, 70)
+
+
+def test_admitted_and_dispatched_at_once_has_queue_position_zero() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 1000})
+    reply, _ = h.submit(make_spec("r1"))
+    assert reply == Admitted(request_id="r1", queue_position=0)
+
+
+def test_budget_is_respected_and_the_queue_drains_fifo() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    r1, r2, r3 = (make_spec(f"r{i}", prompt_len=n) for i, n in ((1, 60), (2, 60), (3, 30)))
+    assert dispatched(h.admit(r1)) == [("r1", "p1")]
+    reply, actions = h.submit(r2)
+    assert reply == Admitted(request_id="r2", queue_position=1) and actions == []
+    # r3 would fit beside r1, but it does not jump the head of the queue.
+    reply, actions = h.submit(r3)
+    assert reply == Admitted(request_id="r3", queue_position=2) and actions == []
+    assert h.load("p1") == 60 and h.phase("r3") == "queued"
+
+    h.clock.advance(1.5)
+    actions = h.event(prefill_done(r1, "p1"))
+    assert dispatched(actions) == [("r2", "p1"), ("r3", "p1")]
+    assert dispatches(actions, PrefillTask)[0].task.queued_s == pytest.approx(1.5)
+    assert h.load("p1") == 90
+
+
+def test_prompt_larger_than_the_budget_runs_alone_on_an_idle_worker() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    big, small = make_spec("big", prompt_len=500), make_spec("small", prompt_len=10)
+    assert dispatched(h.admit(big)) == [("big", "p1")]
+    assert h.admit(small) == []  # the worker is over budget: nothing joins
+    assert dispatched(h.event(prefill_done(big, "p1"))) == [("small", "p1")]
+
+
+def test_lower_priority_number_is_dispatched_first() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    blocker = make_spec("blocker", prompt_len=100)
+    h.admit(blocker)
+    for rid, prio in (("batch-1", 5), ("batch-2", 5), ("chat-1", 0), ("mid", 2), ("chat-2", 0)):
+        h.admit(make_spec(rid, prompt_len=100, priority=prio))
+    order = []
+    done = blocker
+    for _ in range(5):
+        (rid, _wid), = dispatched(h.event(prefill_done(done, "p1")))
+        order.append(rid)
+        done = h.core.requests[rid].spec
+    assert order == ["chat-1", "chat-2", "mid", "batch-1", "batch-2"]
+
+
+def test_queue_position_counts_higher_priority_requests_ahead() -> None:
+    h = Harness()
+    cluster(h, {"p1": 10}, {"d1": 10_000})
+    h.admit(make_spec("running", prompt_len=10))
+    h.admit(make_spec("low", prompt_len=10, priority=3))
+    reply, _ = h.submit(make_spec("high", prompt_len=10, priority=0))
+    assert reply == Admitted(request_id="high", queue_position=1)
+
+
+# --- session affinity ----------------------------------------------------------------------
+
+
+def test_session_returns_to_its_prefill_worker_while_it_has_room() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100, "p2": 100}, {"d1": 10_000})
+    assert dispatched(h.admit(make_spec("s1", prompt_len=40, session="chat"))) == [("s1", "p1")]
+    assert dispatched(h.admit(make_spec("x", prompt_len=10))) == [("x", "p2")]
+    # p2 is less loaded (10 < 40), but the session's prefix is warm on p1.
+    assert dispatched(h.admit(make_spec("s2", prompt_len=20, session="chat"))) == [("s2", "p1")]
+    # p1 (60) has no room for 50 more: the session moves, and stays where it moved.
+    assert dispatched(h.admit(make_spec("s3", prompt_len=50, session="chat"))) == [("s3", "p2")]
+    assert dispatched(h.admit(make_spec("y", prompt_len=1))) == [("y", "p1")]
+    assert dispatched(h.admit(make_spec("s4", prompt_len=1, session="chat"))) == [("s4", "p2")]
+
+
+def test_session_binding_expires_after_its_ttl() -> None:
+    h = Harness(session_ttl_s=10.0, worker_expiry_s=100.0)
+    cluster(h, {"p1": 100, "p2": 100}, {"d1": 10_000})
+    h.admit(make_spec("s1", prompt_len=40, session="chat"))
+    h.admit(make_spec("x", prompt_len=10))
+    assert dispatched(h.admit(make_spec("s2", prompt_len=1, session="chat"))) == [("s2", "p1")]
+    h.tick(advance=10.5)
+    assert dispatched(h.admit(make_spec("s3", prompt_len=1, session="chat"))) == [("s3", "p2")]
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+def test_prefill_done_dispatches_decode_to_the_worker_holding_fewest_tokens() -> None:
+    h = Harness()
+    cluster(h, {"p1": 10_000}, {"d1": 10_000, "d2": 10_000})
+    first, second = make_spec("r1", prompt_len=100, max_tokens=50), make_spec("r2", prompt_len=30)
+    h.admit(first)
+    h.admit(second)
+    assert dispatched(h.event(prefill_done(first, "p1")), DecodeTask) == [("r1", "d1")]
+    done = prefill_done(second, "p1", first_token=4321, cached=16, prefill_s=0.2)
+    actions = h.event(done)
+    assert actions == [Dispatch("d2", DecodeTask(spec=second, handle=done.handle,
+                                                 first_token=4321, usage=done.usage))]
+    assert (h.load("d1"), h.load("d2")) == (150, 30 + second.sampling.max_tokens)
+    assert h.load("p1") == 0
+    assert h.phase("r2") == "decode"
+
+
+def test_prefill_done_finished_does_not_decode_and_frees_prefill() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    one, waiting = make_spec("one", prompt_len=100, max_tokens=1), make_spec("w", prompt_len=100)
+    h.admit(one)
+    h.admit(waiting)
+    actions = h.event(prefill_done(one, "p1", finished=True))
+    assert dispatches(actions, DecodeTask) == []
+    assert dispatched(actions) == [("w", "p1")]
+    assert "one" not in h.core.requests and h.load("d1") == 0
+
+
+def test_request_finished_frees_decode_capacity() -> None:
+    h = Harness()
+    cluster(h, {"p1": 10_000}, {"d1": 100})
+    a, b = make_spec("a", prompt_len=60, max_tokens=20), make_spec("b", prompt_len=60, max_tokens=20)
+    h.admit(a)
+    h.admit(b)
+    assert dispatched(h.event(prefill_done(a, "p1")), DecodeTask) == [("a", "d1")]
+    assert h.event(prefill_done(b, "p1")) == []  # 80 + 80 > 100: b waits for room
+    assert h.phase("b") == "awaiting_decode"
+    assert dispatched(h.event(request_finished(a, "d1")), DecodeTask) == [("b", "d1")]
+    assert "a" not in h.core.requests and h.load("d1") == 80
+
+
+def test_decode_larger_than_the_budget_runs_alone_on_an_idle_decode_worker() -> None:
+    h = Harness()
+    cluster(h, {"p1": 10_000}, {"d1": 10})
+    big, small = make_spec("big", prompt_len=30), make_spec("small", prompt_len=1, max_tokens=1)
+    h.admit(big)
+    h.admit(small)
+    assert dispatched(h.event(prefill_done(big, "p1")), DecodeTask) == [("big", "d1")]
+    assert h.event(prefill_done(small, "p1")) == []  # d1 is over budget: nothing joins
+    assert dispatched(h.event(request_finished(big, "d1")), DecodeTask) == [("small", "d1")]
+
+
+# --- worker loss -----------------------------------------------------------------------------
+
+
+def test_silent_prefill_worker_is_removed_and_its_requests_run_elsewhere() -> None:
+    h = Harness(worker_expiry_s=2.0)
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    r = make_spec("r", prompt_len=40)
+    assert dispatched(h.admit(r)) == [("r", "p1")]
+    h.report("p2", "prefill")
+    h.clock.advance(1.5)
+    h.report("p2", "prefill")
+    h.report("d1", "decode", 10_000)
+    assert h.tick(advance=0.0) == []  # 1.5 s of silence is within the expiry
+    h.clock.advance(1.0)
+    h.report("p2", "prefill")
+    h.report("d1", "decode", 10_000)
+    actions = h.tick()
+    assert "p1" not in h.core.workers
+    assert dispatched(actions) == [("r", "p2")]
+    assert failures(actions) == []
+
+
+def test_silent_decode_worker_fails_its_streams_with_worker_lost() -> None:
+    h = Harness(worker_expiry_s=2.0)
+    cluster(h, {"p1": 10_000}, {"d1": 10_000, "d2": 10_000})
+    a = make_spec("a", ingress_id="ing-A")
+    b = make_spec("b", ingress_id="ing-B")
+    for spec in (a, b):
+        h.admit(spec)
+        h.event(prefill_done(spec, "p1"))
+    assert {h.core.requests["a"].worker_id, h.core.requests["b"].worker_id} == {"d1", "d2"}
+    victim = h.core.requests["b"].worker_id
+    survivor = ({"d1", "d2"} - {victim}).pop()
+    h.clock.advance(3.0)
+    h.report("p1", "prefill", 10_000)
+    h.report(survivor, "decode", 10_000)
+    actions = h.tick()
+    assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [
+        ("ing-B", "b", "worker_lost")]
+    assert dispatches(actions) == []
+    assert "b" not in h.core.requests and h.phase("a") == "decode"
+
+
+def test_worker_leaving_is_removed_at_once() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000, "p2": 1000}, {"d1": 10_000})
+    r = make_spec("r")
+    assert dispatched(h.admit(r)) == [("r", "p1")]
+    assert dispatched(h.event(worker_leaving("p1"))) == [("r", "p2")]
+    assert set(h.core.workers) == {"p2", "d1"}
+
+
+def test_losing_the_last_prefill_worker_requeues_until_one_returns() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    r = make_spec("r", prompt_len=40)
+    h.admit(r)
+    assert h.event(worker_leaving("p1")) == []
+    assert h.phase("r") == "queued" and h.core.status().queued_tokens == 40
+    assert dispatched(h.report("p9", "prefill")) == [("r", "p9")]
+
+
+def test_prefill_requests_fail_once_dispatch_attempts_are_spent() -> None:
+    h = Harness(max_dispatch_attempts=2)
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    r = make_spec("r", ingress_id="ing-Z")
+    h.admit(r)
+    h.report("p2", "prefill")
+    assert dispatched(h.event(worker_leaving("p1"))) == [("r", "p2")]
+    h.report("p3", "prefill")
+    actions = h.event(worker_leaving("p2"))
+    assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [
+        ("ing-Z", "r", "worker_lost")]
+    assert dispatches(actions) == [] and "r" not in h.core.requests
+
+
+def test_stale_prefill_done_from_a_lost_worker_is_ignored() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000, "p2": 1000}, {"d1": 10_000})
+    r = make_spec("r", prompt_len=40)
+    h.admit(r)
+    assert dispatched(h.event(worker_leaving("p1"))) == [("r", "p2")]
+    assert h.event(prefill_done(r, "p1")) == []
+    assert h.phase("r") == "prefill" and h.core.requests["r"].worker_id == "p2"
+    assert h.load("p2") == 40
+    # The live attempt's result still counts, exactly once.
+    assert dispatched(h.event(prefill_done(r, "p2")), DecodeTask) == [("r", "d1")]
+    assert h.event(prefill_done(r, "p2")) == []
+    assert h.load("d1") == 40 + r.sampling.max_tokens
+
+
+def test_prefill_done_for_an_unknown_request_is_ignored() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    assert h.event(prefill_done(make_spec("ghost"), "p1")) == []
+    assert h.load("p1") == 0
+
+
+# --- dispatch failures -------------------------------------------------------------------------
+
+
+def test_refused_prefill_is_retried_then_fails_after_max_attempts() -> None:
+    h = Harness(max_dispatch_attempts=3)
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    r = make_spec("r", ingress_id="ing-Q")
+    attempts = dispatched(h.admit(r))
+    for _ in range(5):
+        actions = h.dispatch_failed("p1", "r")
+        if failures(actions):
+            break
+        assert h.load("p1") in (0, len(r.prompt_tokens))
+        attempts += dispatched(actions or h.tick())
+    assert attempts == [("r", "p1")] * 3
+    assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [
+        ("ing-Q", "r", "dispatch_failed")]
+    assert "r" not in h.core.requests and h.load("p1") == 0
+
+
+def test_refused_decode_is_retried_with_the_same_handle() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 10_000, "d2": 20_000})
+    r = make_spec("r")
+    h.admit(r)
+    done = prefill_done(r, "p1", first_token=999)
+    assert dispatched(h.event(done), DecodeTask) == [("r", "d1")]
+    actions = h.dispatch_failed("d1", "r")
+    retried = dispatches(actions or h.tick(), DecodeTask)
+    assert len(retried) == 1
+    assert retried[0].task == DecodeTask(spec=r, handle=done.handle, first_token=999, usage=done.usage)
+
+
+def test_dispatch_failure_of_a_replaced_attempt_is_ignored() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000, "p2": 1000}, {"d1": 10_000})
+    r = make_spec("r", prompt_len=40)
+    h.admit(r)
+    h.event(worker_leaving("p1"))
+    assert h.dispatch_failed("p1", "r") == []
+    assert h.core.requests["r"].worker_id == "p2" and h.load("p2") == 40
+
+
+def test_unreachable_worker_is_removed_and_its_prefill_runs_elsewhere() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000, "p2": 1000}, {"d1": 10_000})
+    r = make_spec("r")
+    h.admit(r)
+    assert dispatched(h.dispatch_failed("p1", "r", worker_gone=True)) == [("r", "p2")]
+    assert "p1" not in h.core.workers
+
+
+def test_prefill_failed_fails_the_stream_and_frees_the_worker() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    r = make_spec("r", prompt_len=100, ingress_id="ing-F")
+    h.admit(r)
+    actions = h.event(prefill_failed(r, "p1", "oom"))
+    (fail,) = failures(actions)
+    assert (fail.ingress_id, fail.request_id, fail.error.code) == ("ing-F", "r", "prefill_failed")
+    assert "oom" in fail.error.message
+    assert "r" not in h.core.requests and h.load("p1") == 0
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: PrefillFailed frees budget but does not drain the "
+                   "queue (scheduler/core.py _on_prefill_failed); the head waits for the next tick")
+def test_prefill_failed_dispatches_the_queued_head_at_once() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    r, waiting = make_spec("r", prompt_len=100), make_spec("w", prompt_len=100)
+    h.admit(r)
+    h.admit(waiting)
+    assert dispatched(h.event(prefill_failed(r, "p1"))) == [("w", "p1")]
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: requests re-queued together after a worker loss are "
+                   "re-dispatched newest first (scheduler/core.py _enqueue uses -order for front)")
+def test_requests_requeued_after_a_worker_loss_keep_their_arrival_order() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    h.admit(make_spec("older", prompt_len=30))
+    h.admit(make_spec("newer", prompt_len=30))
+    h.report("p2", "prefill", budget=40)  # room for one of them at a time
+    assert dispatched(h.event(worker_leaving("p1"))) == [("older", "p2")]
+
+
+# --- cancel ------------------------------------------------------------------------------------
+
+
+def test_cancel_removes_a_queued_request() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    h.admit(make_spec("running", prompt_len=100))
+    h.admit(make_spec("queued", prompt_len=70))
+    assert h.core.status().queued_tokens == 70
+    assert h.cancel("queued") == []
+    assert "queued" not in h.core.requests
+    assert h.core.status().queued_requests == 0 and h.core.status().queued_tokens == 0
+
+
+def test_cancel_frees_a_placed_request_and_lets_the_queue_move() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    h.admit(make_spec("running", prompt_len=100))
+    h.admit(make_spec("queued", prompt_len=70))
+    assert dispatched(h.cancel("running")) == [("queued", "p1")]
+    assert h.load("p1") == 70
+
+
+def test_cancel_in_decode_and_awaiting_decode() -> None:
+    h = Harness()
+    cluster(h, {"p1": 10_000}, {"d1": 100})
+    a, b = make_spec("a", prompt_len=60, max_tokens=20), make_spec("b", prompt_len=60, max_tokens=20)
+    for spec in (a, b):
+        h.admit(spec)
+        h.event(prefill_done(spec, "p1"))
+    assert (h.phase("a"), h.phase("b")) == ("decode", "awaiting_decode")
+    assert h.cancel("b") == []
+    assert dispatched(h.cancel("a"), DecodeTask) == []
+    assert h.core.requests == {} and h.load("d1") == 0
+
+
+def test_cancel_of_an_unknown_request_is_harmless() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    assert h.cancel("nobody") == []
+
+
+def test_status_reports_workers_and_queue() -> None:
+    h = Harness()
+    cluster(h, {"p1": 100}, {"d1": 10_000})
+    h.admit(make_spec("r1", prompt_len=100))
+    h.admit(make_spec("r2", prompt_len=30))
+    status = h.core.status()
+    assert [(w.worker_id, w.role, w.inflight_tokens, w.running) for w in status.workers] == [
+        ("d1", "decode", 0, 0), ("p1", "prefill", 100, 1)]
+    assert (status.queued_requests, status.queued_tokens) == (1, 30)
