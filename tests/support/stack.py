@@ -33,8 +33,8 @@ SIM = SimEngineConfig(token_low=256, token_high=4093)
 
 def worker_config(nats_url: str, role: str, cost: SimCostModel = SimCostModel(), **overrides) -> WorkerConfig:
     sim = msgspec.structs.replace(SIM, cost=cost)
-    return WorkerConfig(nats_url=nats_url, role=role, model=MODEL, report_interval_s=0.1, sim=sim,
-                        **overrides)
+    settings = {"report_interval_s": 0.1, **overrides}
+    return WorkerConfig(nats_url=nats_url, role=role, model=MODEL, sim=sim, **settings)
 
 
 @dataclass

@@ -1,0 +1,123 @@
+"""The scheduler and workers on a real nats-server, without HTTP."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import nats
+import pytest
+
+from observability.bus import BusStats, connect
+from scheduler.config import SchedulerConfig
+from scheduler.service import SchedulerService, SchedulerServiceConfig
+from schemas import LoadReport, RequestSpec, SamplingParams, SubmitRequest, codec, subjects
+from tests.support.stack import worker_config
+from workers import build_worker
+
+pytestmark = pytest.mark.anyio
+
+
+def _spec(rid: str, ingress: str = "ing-test", tokens: int = 40, max_tokens: int = 4) -> RequestSpec:
+    prompt = list(range(300, 300 + tokens))
+    return RequestSpec(request_id=rid, ingress_id=ingress, model="switchyard-sim", prompt_tokens=prompt,
+                       block_size=16, block_keys=[], sampling=SamplingParams(max_tokens=max_tokens))
+
+
+async def _wait(predicate, timeout_s: float = 5.0) -> None:
+    with anyio.fail_after(timeout_s):
+        while not predicate():
+            await anyio.sleep(0.02)
+
+
+async def _collect(sub, rid: str, expect_tokens: int) -> list:
+    chunks = []
+    with anyio.fail_after(5):
+        while sum(len(c.token_ids) for c in chunks) < expect_tokens:
+            batch = codec.STREAM_BATCH.decode((await sub.next_msg(timeout=5)).data)
+            chunks += [c for c in batch.chunks if c.request_id == rid]
+    return chunks
+
+
+async def test_roll_call_registers_workers_that_started_first(nats):
+    # Workers beat only every 30 s: only the scheduler's roll call can register them quickly.
+    prefill = build_worker(worker_config(nats.url, "prefill", report_interval_s=30))
+    decode = build_worker(worker_config(nats.url, "decode", report_interval_s=30))
+    async with anyio.create_task_group() as tg:
+        await tg.start(prefill.run)
+        await tg.start(decode.run)
+        await anyio.sleep(0.2)  # their first beat is gone before the scheduler listens
+        sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url))
+        await tg.start(sched.run)
+        await _wait(lambda: len(sched.core.workers) == 2, timeout_s=3)
+        tg.cancel_scope.cancel()
+
+
+async def test_a_request_flows_through_prefill_and_decode(nats):
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url))
+    prefill = build_worker(worker_config(nats.url, "prefill"))
+    decode = build_worker(worker_config(nats.url, "decode"))
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        await tg.start(sched.run)
+        await tg.start(prefill.run)
+        await tg.start(decode.run)
+        await _wait(lambda: len(sched.core.workers) == 2)
+        sub = await nc.subscribe(subjects.stream("ing-test"))
+        reply = await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r1"))))
+        assert type(codec.SCHEDULER_REPLY.decode(reply.data)).__name__ == "Admitted"
+        chunks = await _collect(sub, "r1", 4)
+        assert sorted(c.seq for c in chunks) == [0, 1, 2, 3]
+        assert chunks[0].usage is not None and chunks[0].usage.prompt_tokens == 40
+        assert [c.finish_reason for c in sorted(chunks, key=lambda c: c.seq)][-1] == "length"
+        await _wait(lambda: not sched.core.requests)
+        tg.cancel_scope.cancel()
+
+
+async def test_graceful_stop_says_leaving(nats):
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url,
+                                                    core=SchedulerConfig(worker_expiry_s=60)))
+    async with anyio.create_task_group() as tg:
+        await tg.start(sched.run)
+        async with anyio.create_task_group() as workers:
+            await workers.start(build_worker(worker_config(nats.url, "decode")).run)
+            await _wait(lambda: len(sched.core.workers) == 1)
+            workers.cancel_scope.cancel()
+        # expiry is 60 s: only WorkerLeaving can remove it this fast
+        await _wait(lambda: not sched.core.workers, timeout_s=3)
+        tg.cancel_scope.cancel()
+
+
+async def test_silent_worker_expires_and_its_prefill_is_redone_elsewhere(nats):
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.3,
+                                                    core=SchedulerConfig(worker_expiry_s=0.5)))
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        await tg.start(sched.run)
+        await tg.start(build_worker(worker_config(nats.url, "decode")).run)
+        # A "worker" that registers with an ultra-low load, then never answers a task.
+        ghost = LoadReport(worker_id="ghost", role="prefill", seq=1, engine="sim", model="m", block_size=16,
+                           token_budget=1_000_000, inflight_tokens=0, running=0, interval_s=0.1)
+        await nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(ghost))
+        await _wait(lambda: "ghost" in sched.core.workers and len(sched.core.workers) == 2)
+        sub = await nc.subscribe(subjects.stream("ing-test"))
+        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r2"))))
+        await _wait(lambda: "ghost" not in sched.core.workers, timeout_s=3)  # no responder: removed
+        started = time.monotonic()
+        real = build_worker(worker_config(nats.url, "prefill"))
+        await tg.start(real.run)
+        chunks = await _collect(sub, "r2", 4)
+        assert sorted(c.seq for c in chunks) == [0, 1, 2, 3]
+        assert time.monotonic() - started < 3
+        tg.cancel_scope.cancel()
+
+
+async def test_slow_consumer_drops_are_counted(nats):
+    stats = BusStats()
+    async with connect(nats.url, "slow", stats) as slow, connect(nats.url, "fast") as fast:
+        sub = await slow.subscribe("flood", pending_msgs_limit=10)
+        await slow.flush()
+        for _ in range(500):
+            await fast.publish("flood", b"x" * 100)
+        await fast.flush()
+        await _wait(lambda: stats.dropped > 0, timeout_s=3)
+        await sub.unsubscribe()
+    assert stats.dropped > 0
