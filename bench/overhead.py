@@ -2,9 +2,10 @@
 
 With a zero-cost ``sim`` engine every millisecond measured is Switchyard's own:
   (a) time to first token through ingress -> scheduler -> prefill -> decode -> SSE,
-      p50 and p99, beside a bare nats-py request/reply round trip;
-  (b) streamed tokens/s through the HTTP API at each concurrency, beside bare nats-py
-      publish/subscribe (one message per token, and one message per 256 tokens);
+      p50 and p99, beside a zero-cost engine serving HTTP alone (``bench.direct_engine``)
+      and a bare nats-py request/reply round trip;
+  (b) streamed tokens/s through the HTTP API at each concurrency, beside the engine
+      alone and bare nats-py publish/subscribe (one message per token, and one per 256);
   (c) resident memory of every process, idle and at the highest concurrency.
 The stack runs as separate processes, exactly as ``switchyard up`` starts it; the
 load generator shares the machine's cores with it, so the figures are a floor.
@@ -43,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Results:
-    ttft_ms: dict = field(default_factory=dict)  # p50/p99 for the fabric and bare NATS
-    throughput: list = field(default_factory=list)  # one row per concurrency
+    ttft_ms: dict = field(default_factory=dict)  # p50/p99: the fabric, the engine alone, bare NATS
+    throughput: list = field(default_factory=list)  # one row per concurrency: fabric and engine alone
     bare_pubsub_tokens_per_s: dict = field(default_factory=dict)
     rss_mib: dict = field(default_factory=dict)  # process -> {idle, loaded}
     settings: dict = field(default_factory=dict)
@@ -62,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
         server = stack.enter_context(procs.nats_server())
         children = _start_stack(server, stack)
         url = f"http://127.0.0.1:{children.port}"
+        direct = _start_direct_engine(stack)
         _wait_healthy(url)
-        print(f"stack up at {url}; measuring (engine cost zero)", flush=True)
-        anyio.run(_measure, url, server.url, levels, args, results, children)
+        procs.wait_for_port("127.0.0.1", direct.port, 30)
+        print(f"stack up at {url}, engine alone at {direct.url}; measuring (engine cost zero)", flush=True)
+        anyio.run(_measure, url, direct.url, server.url, levels, args, results, children)
     _report(results, args.out)
     return 0
 
@@ -89,6 +92,24 @@ def _start_stack(server, stack: ExitStack) -> _Children:
     return _Children(port=port, processes=processes)
 
 
+@dataclass
+class _Direct:
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _start_direct_engine(stack: ExitStack) -> _Direct:
+    import sys
+
+    port = procs.free_port()
+    proc = procs.spawn([sys.executable, "-m", "bench.direct_engine", "--port", str(port)], env=procs.child_env())
+    stack.callback(procs.stop, [proc])
+    return _Direct(port)
+
+
 def _wait_healthy(url: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -101,19 +122,25 @@ def _wait_healthy(url: str, timeout_s: float = 60) -> None:
     raise procs.ProcessError("the stack did not become healthy")
 
 
-async def _measure(url: str, nats_url: str, levels: list[int], args, results: Results, children: _Children) -> None:
+async def _measure(url: str, direct_url: str, nats_url: str, levels: list[int], args, results: Results,
+                   children: _Children) -> None:
     results.rss_mib = {name: {"idle": _rss(p.pid)} for name, p in children.processes.items()}
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
-    async with httpx.AsyncClient(base_url=url + "/v1", timeout=60, limits=limits) as client:
-        await _ttft(client, nats_url, args.ttft_requests, results)
+    async with httpx.AsyncClient(base_url=url + "/v1", timeout=60, limits=limits) as fabric, \
+            httpx.AsyncClient(base_url=direct_url + "/v1", timeout=60, limits=limits) as direct:
+        await _ttft(fabric, direct, nats_url, args.ttft_requests, results)
         for level in levels:
             sampler = _RssSampler(children.processes) if level == max(levels) else None
-            row = await _throughput(client, level, args.stream_tokens, args.seconds, sampler)
+            row = await _throughput(fabric, level, args.stream_tokens, args.seconds, sampler)
+            alone = await _throughput(direct, level, args.stream_tokens, args.seconds, None)
+            row["engine_alone_tokens_per_s"] = alone["tokens_per_s"]
+            row["kept_of_engine_alone"] = row["tokens_per_s"] / alone["tokens_per_s"]
             results.throughput.append(row)
             if sampler is not None:
                 for name, peak in sampler.peaks.items():
                     results.rss_mib[name]["loaded"] = peak
-            print(f"  {level:>4} streams: {row['tokens_per_s']:>9.0f} tokens/s", flush=True)
+            print(f"  {level:>4} streams: {row['tokens_per_s']:>9.0f} tokens/s "
+                  f"(engine alone {alone['tokens_per_s']:.0f})", flush=True)
     results.bare_pubsub_tokens_per_s = {
         "one_message_per_token": await _bare_pubsub(nats_url, tokens_per_message=1, seconds=args.seconds / 2),
         "one_message_per_256_tokens": await _bare_pubsub(nats_url, tokens_per_message=256,
@@ -124,16 +151,23 @@ async def _measure(url: str, nats_url: str, levels: list[int], args, results: Re
 # --- (a) time to first token ---------------------------------------------------------------------
 
 
-async def _ttft(client: httpx.AsyncClient, nats_url: str, n: int, results: Results) -> None:
+async def _ttft(fabric: httpx.AsyncClient, direct: httpx.AsyncClient, nats_url: str, n: int,
+                results: Results) -> None:
     for _ in range(10):  # warm the connections and code paths
-        await _first_token_s(client)
-    fabric = [await _first_token_s(client) for _ in range(n)]
+        await _first_token_s(fabric)
+        await _first_token_s(direct)
+    through, alone = [], []
+    for _ in range(n):  # interleaved, so both see the same machine
+        through.append(await _first_token_s(fabric))
+        alone.append(await _first_token_s(direct))
     bare = await _bare_request_reply(nats_url, n)
-    results.ttft_ms = {"fabric_p50": _pct(fabric, 50) * 1e3, "fabric_p99": _pct(fabric, 99) * 1e3,
-                       "nats_rr_p50": _pct(bare, 50) * 1e3, "nats_rr_p99": _pct(bare, 99) * 1e3,
-                       "fabric_samples_ms": [x * 1e3 for x in fabric], "nats_samples_ms": [x * 1e3 for x in bare]}
-    print(f"  TTFT p50 {results.ttft_ms['fabric_p50']:.2f} ms (bare NATS request/reply "
-          f"{results.ttft_ms['nats_rr_p50']:.2f} ms)", flush=True)
+    t = results.ttft_ms
+    for name, samples in (("fabric", through), ("engine_alone", alone), ("nats_rr", bare)):
+        t[f"{name}_p50"], t[f"{name}_p99"] = _pct(samples, 50) * 1e3, _pct(samples, 99) * 1e3
+        t[f"{name}_samples_ms"] = [x * 1e3 for x in samples]
+    t["added_p50"] = t["fabric_p50"] - t["engine_alone_p50"]
+    print(f"  TTFT p50 {t['fabric_p50']:.2f} ms (engine alone {t['engine_alone_p50']:.2f} ms, "
+          f"bare NATS request/reply {t['nats_rr_p50']:.2f} ms)", flush=True)
 
 
 async def _first_token_s(client: httpx.AsyncClient) -> float:
@@ -302,16 +336,21 @@ def _report(results: Results, out: Path) -> None:
     per_token = results.bare_pubsub_tokens_per_s["one_message_per_token"]
     batched = results.bare_pubsub_tokens_per_s["one_message_per_256_tokens"]
     lines = ["", "== time to first token, zero-cost engine (ms) ==",
-             f"{'':<34}{'p50':>9}{'p99':>9}",
-             f"{'switchyard HTTP->NATS->P->D->SSE':<34}{t['fabric_p50']:>9.2f}{t['fabric_p99']:>9.2f}",
-             f"{'bare nats-py request/reply':<34}{t['nats_rr_p50']:>9.2f}{t['nats_rr_p99']:>9.2f}",
-             f"{'ratio':<34}{t['fabric_p50'] / t['nats_rr_p50']:>9.1f}{t['fabric_p99'] / t['nats_rr_p99']:>9.1f}",
+             f"{'':<36}{'p50':>9}{'p99':>9}",
+             f"{'switchyard HTTP->NATS->P->D->SSE':<36}{t['fabric_p50']:>9.2f}{t['fabric_p99']:>9.2f}",
+             f"{'engine alone, HTTP/SSE':<36}{t['engine_alone_p50']:>9.2f}{t['engine_alone_p99']:>9.2f}",
+             f"{'bare nats-py request/reply':<36}{t['nats_rr_p50']:>9.2f}{t['nats_rr_p99']:>9.2f}",
+             f"{'added by switchyard (vs alone)':<36}{t['added_p50']:>9.2f}"
+             f"{t['fabric_p99'] - t['engine_alone_p99']:>9.2f}",
+             f"{'ratio switchyard / bare NATS r/r':<36}{t['fabric_p50'] / t['nats_rr_p50']:>9.1f}"
+             f"{t['fabric_p99'] / t['nats_rr_p99']:>9.1f}",
              "", "== streamed tokens/s through the HTTP API ==",
-             f"{'streams':>8}{'tokens/s':>12}{'requests':>10}{'vs bare pub/sub 1/token':>26}"
-             f"{'vs bare 256/msg':>17}"]
+             f"{'streams':>8}{'switchyard':>12}{'alone':>10}{'kept':>8}{'vs pub/sub 1/token':>20}"
+             f"{'vs pub/sub 256/msg':>20}"]
     for row in results.throughput:
-        lines.append(f"{row['streams']:>8}{row['tokens_per_s']:>12.0f}{row['requests']:>10}"
-                     f"{row['tokens_per_s'] / per_token:>26.2f}{row['tokens_per_s'] / batched:>17.3f}")
+        lines.append(f"{row['streams']:>8}{row['tokens_per_s']:>12.0f}{row['engine_alone_tokens_per_s']:>10.0f}"
+                     f"{row['kept_of_engine_alone']:>8.0%}{row['tokens_per_s'] / per_token:>20.2f}"
+                     f"{row['tokens_per_s'] / batched:>20.3f}")
     lines += [f"bare nats-py pub/sub, one message per token:   {per_token:>10.0f} tokens/s",
               f"bare nats-py pub/sub, one message per 256:     {batched:>10.0f} tokens/s",
               "", "== resident memory (MiB) ==", f"{'process':<14}{'idle':>8}{'loaded':>8}"]
@@ -331,7 +370,8 @@ def _plots(results: Results, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (("fabric_samples_ms", "switchyard TTFT (zero-cost engine)"),
-                       ("nats_samples_ms", "bare nats-py request/reply")):
+                       ("engine_alone_samples_ms", "engine alone, HTTP/SSE"),
+                       ("nats_rr_samples_ms", "bare nats-py request/reply")):
         xs = sorted(results.ttft_ms[key])
         ax.plot(xs, [i / len(xs) for i in range(1, len(xs) + 1)], label=label)
     ax.set_xscale("log")
@@ -344,8 +384,12 @@ def _plots(results: Results, out: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    levels = [str(r["streams"]) for r in results.throughput]
-    ax.bar(levels, [r["tokens_per_s"] for r in results.throughput], label="switchyard HTTP/SSE")
+    xs = list(range(len(results.throughput)))
+    ax.bar([x - 0.2 for x in xs], [r["tokens_per_s"] for r in results.throughput], 0.4,
+           label="switchyard HTTP/SSE")
+    ax.bar([x + 0.2 for x in xs], [r["engine_alone_tokens_per_s"] for r in results.throughput], 0.4,
+           label="engine alone, HTTP/SSE")
+    ax.set_xticks(xs, [str(r["streams"]) for r in results.throughput])
     for key, style in (("one_message_per_token", "--"), ("one_message_per_256_tokens", ":")):
         ax.axhline(results.bare_pubsub_tokens_per_s[key], linestyle=style, color="k",
                    label=f"bare nats-py, {key.replace('_', ' ')}")

@@ -93,24 +93,35 @@ class Generation:
             await on_text(tail)
 
     async def _next_tokens(self) -> list[int]:
-        try:
-            with anyio.fail_after(self.ctx.idle_timeout_s):
-                tokens = self.sequencer.feed(await self.chunks.receive())
-        except TimeoutError:
-            raise StreamFailed(_error("timeout", f"no token for {self.ctx.idle_timeout_s:.0f} s")) from None
-        except anyio.EndOfStream:
-            raise StreamFailed(_error("overflow", "the token stream overflowed")) from None
-        # Coalesce whatever else already arrived into the same delta: under load the
-        # client gets fewer, larger events instead of falling behind.
-        while not self.sequencer.finished:
+        """Tokens that have arrived, coalesced into one delta: under load the client gets
+        fewer, larger events instead of falling behind. Waits only when nothing is there."""
+        tokens = self._arrived()
+        if tokens is None:
             try:
-                tokens += self.sequencer.feed(self.chunks.receive_nowait())
-            except anyio.WouldBlock:
-                break
+                with anyio.fail_after(self.ctx.idle_timeout_s):
+                    chunk = await self.chunks.receive()
+            except TimeoutError:
+                raise StreamFailed(_error("timeout", f"no token for {self.ctx.idle_timeout_s:.0f} s")) from None
+            except anyio.EndOfStream:
+                raise StreamFailed(_error("overflow", "the token stream overflowed")) from None
+            tokens = self.sequencer.feed(chunk) + (self._arrived() or [])
         if tokens:
             now = time.monotonic()
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
+        return tokens
+
+    def _arrived(self) -> list[int] | None:
+        """Tokens of every chunk already waiting; None when no chunk was waiting."""
+        tokens = None
+        while not self.sequencer.finished:
+            try:
+                chunk = self.chunks.receive_nowait()
+            except anyio.WouldBlock:
+                break
+            except anyio.EndOfStream:
+                raise StreamFailed(_error("overflow", "the token stream overflowed")) from None
+            tokens = (tokens or []) + self.sequencer.feed(chunk)
         return tokens
 
     @property
@@ -150,9 +161,10 @@ class Generation:
         if self.kind == "chat":
             await self._event(send, self._chunk({"role": "assistant", "content": ""}, None))
 
+        frames = _DeltaFrames(self._chunk({"content": ""} if self.kind == "chat" else "", None))
+
         async def emit(text: str) -> None:
-            delta = {"content": text} if self.kind == "chat" else text
-            await self._event(send, self._chunk(delta, None))
+            await send({"type": "http.response.body", "body": frames.delta(text), "more_body": True})
 
         try:
             await self._generate(emit)
@@ -162,14 +174,14 @@ class Generation:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         self.outcome = "ok"
-        await self._event(send, self._chunk({} if self.kind == "chat" else "", self.finish_reason))
+        ending = [self._chunk({} if self.kind == "chat" else "", self.finish_reason)]
         if self.include_usage:
-            await self._event(send, self._usage_chunk())
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            ending.append(self._usage_chunk())
+        body = b"".join(_sse(event) for event in ending) + b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _event(self, send, payload: dict) -> None:
-        data = b"data: " + msgspec.json.encode(payload) + b"\n\n"
-        await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
 
     def _chunk(self, delta: dict | str, finish_reason: str | None) -> dict:
         if self.kind == "chat":
@@ -220,6 +232,30 @@ class Generation:
             m.ttft.observe(self.first_token_at - self.arrived)
             if self.assembler.tokens > 1 and self.last_token_at is not None:
                 m.tpot.observe((self.last_token_at - self.first_token_at) / (self.assembler.tokens - 1))
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+class _DeltaFrames:
+    """A text delta's SSE event, pre-encoded around the text: one event per delta is the
+    hot path of streaming, so it is a concatenation, not a dict encoded anew."""
+
+    _MARK = "\x00switchyard-delta\x00"
+
+    def __init__(self, template: dict) -> None:
+        choice = template["choices"][0]
+        if "delta" in choice:
+            choice["delta"]["content"] = self._MARK
+        else:
+            choice["text"] = self._MARK
+        encoded = _sse(template)
+        mark = msgspec.json.encode(self._MARK)
+        self._head, self._tail = encoded.split(mark)
+
+    def delta(self, text: str) -> bytes:
+        return self._head + msgspec.json.encode(text) + self._tail
 
 
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}

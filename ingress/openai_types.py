@@ -66,11 +66,14 @@ def decode_body(body: bytes, type_: type) -> msgspec.Struct:
 
 
 def _param_of(message: str) -> str | None:
-    # msgspec ends its messages with "- at `$.field[0].x`"
-    marker = "at `$."
-    if marker not in message:
-        return None
-    return message.split(marker, 1)[1].rstrip("`")
+    """The field a msgspec error names: "... - at `$.messages[0]`", and for a missing
+    field "Object missing required field `role` - at `$.messages[0]`"."""
+    path = message.split("at `$.", 1)[1].rstrip("`") if "at `$." in message else None
+    marker = "missing required field `"
+    if marker in message:
+        field = message.split(marker, 1)[1].split("`", 1)[0]
+        return f"{path}.{field}" if path else field
+    return path
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:

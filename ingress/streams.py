@@ -93,7 +93,9 @@ class TokenSequencer:
             raise StreamFailed(chunk.error)
         if chunk.usage is not None and self.usage is None:
             self.usage = chunk.usage
-        self._held.setdefault(chunk.seq, chunk)
+        held = self._held.get(chunk.seq)
+        if held is None or _reaches_further(chunk, held):
+            self._held[chunk.seq] = chunk
         tokens: list[int] = []
         while not self.finished and (ready := self._next_ready()) is not None:
             tokens += self._take(ready)
@@ -112,3 +114,10 @@ class TokenSequencer:
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
         return fresh
+
+
+def _reaches_further(new: StreamChunk, old: StreamChunk) -> bool:
+    """Of two chunks at one position, keep the one that says more."""
+    if len(new.token_ids) != len(old.token_ids):
+        return len(new.token_ids) > len(old.token_ids)
+    return new.finish_reason is not None and old.finish_reason is None

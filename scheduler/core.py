@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from scheduler.config import SchedulerConfig
 from scheduler.placement import pick_decode, pick_prefill
@@ -54,6 +55,7 @@ class FailStream:
 
 
 Action = Dispatch | FailStream
+DispatchOutcome = Literal["refused", "no_responders", "timeout"]
 
 
 class SchedulerCore:
@@ -61,7 +63,9 @@ class SchedulerCore:
         self.config = config
         self.workers: dict[str, WorkerState] = {}
         self.requests: dict[str, Tracked] = {}
-        self._queue: list[tuple[int, int, str]] = []  # (priority, order, request_id), sorted
+        # (priority, 0 for re-queued else 1, arrival order, request_id), kept sorted: within a
+        # priority, requests that lost their worker go first, each group in arrival order.
+        self._queue: list[tuple[int, int, int, str]] = []
         self._queued_tokens = 0
         self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
         self._sessions: dict[str, tuple[str, float]] = {}  # session -> (worker, expires_at)
@@ -93,6 +97,9 @@ class SchedulerCore:
                 return self._on_prefill_failed(event, now)
             case RequestFinished():
                 self._touch(event.worker_id, now)
+                tracked = self.requests.get(event.request_id)
+                if tracked is None or tracked.worker_id != event.worker_id:
+                    return []  # stale: from an attempt that is no longer the request's
                 self._forget(event.request_id)
                 return self._drain_decode(now) + self._drain_prefill(now)
             case WorkerLeaving():
@@ -104,18 +111,25 @@ class SchedulerCore:
         self._forget(request_id)
         return self._drain_decode(now) + self._drain_prefill(now)
 
-    def on_dispatch_failed(self, worker_id: str, request_id: str, worker_gone: bool,
+    def on_dispatch_failed(self, worker_id: str, request_id: str, outcome: DispatchOutcome,
                            now: float) -> list[Action]:
-        """A worker refused a task, or did not answer (``worker_gone``)."""
-        if worker_gone:
-            return self._remove_worker(worker_id, now)
+        """A task did not reach its worker.
+
+        ``refused``: the worker said no (full, or it heard the cancel first): try again.
+        ``no_responders``: nobody listens on the worker's subject, so the task certainly
+        was not delivered: the worker is gone, and this request is retried like a refusal.
+        ``timeout``: the worker may or may not have it: the worker is gone, and this
+        request goes with the rest of its requests (retried before decode, failed after).
+        """
         tracked = self.requests.get(request_id)
-        worker = self.workers.get(worker_id)
-        if tracked is None or tracked.worker_id != worker_id:
-            return []
-        if worker is not None:
-            worker.release(request_id)
-        return self._retry_or_fail(tracked, "dispatch_failed", now)
+        actions: list[Action] = []
+        if tracked is not None and tracked.worker_id == worker_id and outcome != "timeout":
+            if worker_id in self.workers:
+                self.workers[worker_id].release(request_id)
+            actions = self._retry_or_fail(tracked, "dispatch_failed", now)
+        if outcome != "refused":
+            actions += self._remove_worker(worker_id, now)
+        return actions + self._drain_decode(now) + self._drain_prefill(now)
 
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -147,7 +161,7 @@ class SchedulerCore:
             assert worker.load_tokens == sum(worker.assigned.values()), worker.worker_id
             for rid in worker.assigned:
                 assert self.requests[rid].worker_id == worker.worker_id, rid
-        queued = [rid for _, _, rid in self._queue]
+        queued = [entry[-1] for entry in self._queue]
         assert self._queued_tokens == sum(self.requests[r].prompt_tokens for r in queued)
         assert all(self.requests[r].phase == "queued" for r in queued)
         assert all(self.requests[r].phase == "awaiting_decode" for r in self._decode_wait)
@@ -174,22 +188,25 @@ class SchedulerCore:
     # --- prefill -------------------------------------------------------------------
 
     def _enqueue(self, tracked: Tracked, front: bool = False) -> None:
-        order = -tracked.order if front else tracked.order
-        bisect.insort(self._queue, (tracked.spec.priority, order, tracked.spec.request_id))
+        tracked.requeued = front
+        bisect.insort(self._queue, self._queue_key(tracked))
         tracked.phase, tracked.worker_id = "queued", None
         self._queued_tokens += tracked.prompt_tokens
+
+    @staticmethod
+    def _queue_key(tracked: Tracked) -> tuple[int, int, int, str]:
+        return (tracked.spec.priority, 0 if tracked.requeued else 1, tracked.order, tracked.spec.request_id)
 
     def _position(self, spec: RequestSpec) -> int:
         tracked = self.requests[spec.request_id]
         if tracked.phase != "queued":
             return 0
-        key = (spec.priority, tracked.order, spec.request_id)
-        return bisect.bisect_left(self._queue, key) + 1
+        return bisect.bisect_left(self._queue, self._queue_key(tracked)) + 1
 
     def _drain_prefill(self, now: float) -> list[Action]:
         actions: list[Action] = []
         while self._queue:
-            rid = self._queue[0][2]
+            rid = self._queue[0][-1]
             tracked = self.requests[rid]
             worker = pick_prefill(self.workers.values(), tracked, self._bound(tracked, now))
             if worker is None:
@@ -233,7 +250,8 @@ class SchedulerCore:
             return []
         self._forget(failed.request_id)
         error = StreamError(code="prefill_failed", message=failed.message)
-        return [FailStream(tracked.spec.ingress_id, failed.request_id, error)]
+        failure: list[Action] = [FailStream(tracked.spec.ingress_id, failed.request_id, error)]
+        return failure + self._drain_decode(now) + self._drain_prefill(now)
 
     def _learn_rate(self, done: PrefillDone) -> None:
         computed = done.usage.prompt_tokens - done.usage.cached_tokens
@@ -267,6 +285,12 @@ class SchedulerCore:
 
     def _on_report(self, report: LoadReport, now: float) -> list[Action]:
         worker = self.workers.get(report.worker_id)
+        actions: list[Action] = []
+        if worker is not None and report.seq <= worker.last_seq:
+            # Heartbeats of one worker arrive in order: a smaller seq is a restarted
+            # worker under the same id, which holds none of what we placed on it.
+            actions = self._remove_worker(report.worker_id, now)
+            worker = None
         if worker is None:
             worker = WorkerState(worker_id=report.worker_id, role=report.role,
                                  token_budget=report.token_budget, block_size=report.block_size,
@@ -274,7 +298,7 @@ class SchedulerCore:
             self.workers[report.worker_id] = worker
         worker.token_budget, worker.last_seen = report.token_budget, now
         worker.last_seq = report.seq
-        return self._drain_decode(now) + self._drain_prefill(now)
+        return actions + self._drain_decode(now) + self._drain_prefill(now)
 
     def _touch(self, worker_id: str, now: float) -> None:
         worker = self.workers.get(worker_id)
@@ -311,7 +335,7 @@ class SchedulerCore:
         if tracked.worker_id is not None and tracked.worker_id in self.workers:
             self.workers[tracked.worker_id].release(request_id)
         if tracked.phase == "queued":
-            self._queue = [q for q in self._queue if q[2] != request_id]
+            self._queue.remove(self._queue_key(tracked))
             self._queued_tokens -= tracked.prompt_tokens
         elif tracked.phase == "awaiting_decode":
             self._decode_wait.remove(request_id)

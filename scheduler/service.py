@@ -154,15 +154,18 @@ class SchedulerService:
         try:
             reply = await nc.request(subjects.worker_tasks(action.worker_id), payload,
                                      timeout=self.config.dispatch_timeout_s, headers=headers)
-        except (NoRespondersError, NatsTimeout) as exc:
-            log.warning("worker %s did not take %s (%s): removing it", action.worker_id, rid,
-                        type(exc).__name__)
-            await self._act(self.core.on_dispatch_failed(action.worker_id, rid, True, self._clock()))
+        except NoRespondersError:
+            log.warning("worker %s has no responder for %s: removing it", action.worker_id, rid)
+            await self._act(self.core.on_dispatch_failed(action.worker_id, rid, "no_responders", self._clock()))
+            return
+        except NatsTimeout:
+            log.warning("worker %s did not answer for %s: removing it", action.worker_id, rid)
+            await self._act(self.core.on_dispatch_failed(action.worker_id, rid, "timeout", self._clock()))
             return
         ack = codec.TASK_ACK.decode(reply.data)
         if not ack.accepted:
             log.info("worker %s refused %s: %s", action.worker_id, rid, ack.reason)
-            await self._act(self.core.on_dispatch_failed(action.worker_id, rid, False, self._clock()))
+            await self._act(self.core.on_dispatch_failed(action.worker_id, rid, "refused", self._clock()))
 
     async def _fail_stream(self, nc: Client, action: FailStream) -> None:
         log.warning("failing %s: %s", action.request_id, action.error.message)

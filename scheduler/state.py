@@ -48,6 +48,7 @@ class Tracked:
     phase: Phase = "queued"
     worker_id: str | None = None
     attempts: int = 0
+    requeued: bool = False  # back in the queue after losing its worker: goes ahead
     prefill: PrefillDone | None = None  # set once prefill is done, for decode (re)placement
 
     @property

@@ -32,6 +32,7 @@ class Harness:
     def __init__(self, **config: Any) -> None:
         self.core = SchedulerCore(SchedulerConfig(**config))
         self.clock = FakeClock()
+        self._seqs: dict[str, int] = {}
 
     def check(self) -> None:
         self.core.check_invariants()
@@ -52,16 +53,20 @@ class Harness:
         self.check()
         return actions
 
-    def report(self, worker_id: str, role: str = "prefill", budget: int = 1000) -> list:
-        return self.event(load_report(worker_id, role, budget=budget))  # type: ignore[arg-type]
+    def report(self, worker_id: str, role: str = "prefill", budget: int = 1000, seq: int | None = None) -> list:
+        """A heartbeat; each worker's seq counts up, as a live worker's does."""
+        if seq is None:
+            seq = self._seqs.get(worker_id, 0) + 1
+        self._seqs[worker_id] = seq
+        return self.event(load_report(worker_id, role, budget=budget, seq=seq))  # type: ignore[arg-type]
 
     def cancel(self, request_id: str) -> list:
         actions = self.core.on_cancel(request_id, self.clock.now)
         self.check()
         return actions
 
-    def dispatch_failed(self, worker_id: str, request_id: str, worker_gone: bool = False) -> list:
-        actions = self.core.on_dispatch_failed(worker_id, request_id, worker_gone, self.clock.now)
+    def dispatch_failed(self, worker_id: str, request_id: str, outcome: str = "refused") -> list:
+        actions = self.core.on_dispatch_failed(worker_id, request_id, outcome, self.clock.now)
         self.check()
         return actions
 
@@ -483,7 +488,7 @@ def test_unreachable_worker_is_removed_and_its_prefill_runs_elsewhere() -> None:
     cluster(h, {"p1": 1000, "p2": 1000}, {"d1": 10_000})
     r = make_spec("r")
     h.admit(r)
-    assert dispatched(h.dispatch_failed("p1", "r", worker_gone=True)) == [("r", "p2")]
+    assert dispatched(h.dispatch_failed("p1", "r", "timeout")) == [("r", "p2")]
     assert "p1" not in h.core.workers
 
 
@@ -499,8 +504,6 @@ def test_prefill_failed_fails_the_stream_and_frees_the_worker() -> None:
     assert "r" not in h.core.requests and h.load("p1") == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: PrefillFailed frees budget but does not drain the "
-                   "queue (scheduler/core.py _on_prefill_failed); the head waits for the next tick")
 def test_prefill_failed_dispatches_the_queued_head_at_once() -> None:
     h = Harness()
     cluster(h, {"p1": 100}, {"d1": 10_000})
@@ -510,8 +513,6 @@ def test_prefill_failed_dispatches_the_queued_head_at_once() -> None:
     assert dispatched(h.event(prefill_failed(r, "p1"))) == [("w", "p1")]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: requests re-queued together after a worker loss are "
-                   "re-dispatched newest first (scheduler/core.py _enqueue uses -order for front)")
 def test_requests_requeued_after_a_worker_loss_keep_their_arrival_order() -> None:
     h = Harness()
     cluster(h, {"p1": 1000}, {"d1": 10_000})
@@ -635,10 +636,10 @@ class RandomCluster:
         rid, wid = action.task.spec.request_id, action.worker_id
         assert rid not in self.outcome, f"dispatch of {rid}, already {self.outcome.get(rid)}"
         if wid not in self.live:  # no responders
-            return self.h.dispatch_failed(wid, rid, worker_gone=True)
+            return self.h.dispatch_failed(wid, rid, self.rng.choice(["timeout", "no_responders"]))
         assert self.h.core.requests[rid].worker_id == wid, f"stale dispatch of {rid} to {wid}"
         if self.rng.random() < self.refuse_p:
-            return self.h.dispatch_failed(wid, rid, worker_gone=False)
+            return self.h.dispatch_failed(wid, rid, "refused")
         tasks = self.running.setdefault(wid, {})
         assert rid not in tasks, f"{rid} dispatched twice to {wid}"
         tasks[rid] = action.task
@@ -799,3 +800,37 @@ def test_random_traces_exercise_every_outcome() -> None:
         sim.settle()
         seen |= set(sim.outcome.values())
     assert seen == {"completed", "cancelled", "failed"}
+
+
+def test_a_worker_restarted_under_the_same_id_loses_what_was_placed_on_it() -> None:
+    h = Harness()
+    cluster(h, {"p1": 10_000}, {"d1": 10_000})
+    spec = make_spec("r")
+    h.admit(spec)
+    h.event(prefill_done(spec, "p1"))
+    assert h.phase("r") == "decode"
+    actions = h.report("d1", "decode", 10_000, seq=1)  # its counter started again
+    assert [(f.request_id, f.error.code) for f in failures(actions)] == [("r", "worker_lost")]
+    assert "d1" in h.core.workers and h.load("d1") == 0
+
+
+def test_no_responders_for_decode_retries_it_elsewhere() -> None:
+    h = Harness()
+    cluster(h, {"p1": 10_000}, {"d1": 10_000})
+    spec = make_spec("r")
+    h.admit(spec)
+    first = dispatched(h.event(prefill_done(spec, "p1")), DecodeTask)
+    assert first == [("r", "d1")]
+    h.report("d2", "decode", 10_000)
+    actions = h.dispatch_failed("d1", "r", "no_responders")
+    assert dispatched(actions, DecodeTask) == [("r", "d2")] and failures(actions) == []
+    assert "d1" not in h.core.workers
+
+
+def test_a_refused_dispatch_is_retried_at_once() -> None:
+    h = Harness()
+    cluster(h, {"p1": 10_000, "p2": 10_000}, {"d1": 10_000})
+    spec = make_spec("r")
+    (rid, first), = dispatched(h.admit(spec))
+    actions = h.dispatch_failed(first, "r", "refused")
+    assert len(dispatched(actions)) == 1 and failures(actions) == []

@@ -1,0 +1,253 @@
+"""The sim engine: prefix cache, reproducible tokens, decode steps and the cost model.
+
+Durations are never measured: ``anyio.sleep`` is replaced by a recorder, so the cost
+model is checked by the seconds the engine asked to wait, not by a wall clock.
+"""
+
+from __future__ import annotations
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import workers.sim as sim
+from factories import make_spec, prompt_of, usage_of
+from schemas import DecodeTask, PrefillTask, RequestSpec, SimKvHandle
+from workers.sim import SimCostModel, SimEngine, SimEngineConfig, sampling_key
+
+BLOCK = 16
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every ``anyio.sleep`` the engine asks for, returned at once."""
+    asked: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        asked.append(seconds)
+        await anyio.lowlevel.checkpoint()
+
+    monkeypatch.setattr(sim.anyio, "sleep", fake_sleep)
+    return asked
+
+
+def prefill_task(spec: RequestSpec) -> PrefillTask:
+    return PrefillTask(spec=spec, queued_s=0.0)
+
+
+def decode_task(spec: RequestSpec, first_token: int = 0) -> DecodeTask:
+    handle = SimKvHandle(worker_id="p", block_keys=spec.block_keys, num_tokens=len(spec.prompt_tokens))
+    return DecodeTask(spec=spec, handle=handle, first_token=first_token, usage=usage_of(spec))
+
+
+def engine(**config) -> SimEngine:
+    return SimEngine(SimEngineConfig(**config), worker_id="sim-1")
+
+
+async def cached_tokens(eng: SimEngine, spec: RequestSpec) -> int:
+    (result,) = await eng.prefill([prefill_task(spec)])
+    return result.cached_tokens
+
+
+# --- prefix cache ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_repeated_prefix_is_cached_in_whole_blocks(sleeps: list[float]) -> None:
+    eng = engine()
+    base = prompt_of(3 * BLOCK + 5)
+    assert await cached_tokens(eng, make_spec(prompt=base)) == 0
+    # The same prompt again: its three full blocks hit, the 5-token tail never does.
+    assert await cached_tokens(eng, make_spec(prompt=base)) == 3 * BLOCK
+    # An extension shares the three full blocks (the old tail is now inside block 3: a miss).
+    assert await cached_tokens(eng, make_spec(prompt=base + prompt_of(40, start=99))) == 3 * BLOCK
+    # A change inside block 1 keeps only block 0.
+    changed = list(base)
+    changed[BLOCK + 2] += 1
+    assert await cached_tokens(eng, make_spec(prompt=changed)) == BLOCK
+
+
+@pytest.mark.anyio
+async def test_cache_is_per_tenant(sleeps: list[float]) -> None:
+    eng = engine()
+    tokens = prompt_of(4 * BLOCK)
+    await cached_tokens(eng, make_spec(prompt=tokens, tenant="a"))
+    assert await cached_tokens(eng, make_spec(prompt=tokens, tenant="b")) == 0
+    assert await cached_tokens(eng, make_spec(prompt=tokens, tenant="a")) == 4 * BLOCK
+
+
+@pytest.mark.anyio
+async def test_lru_bound_evicts_the_least_recently_used_blocks(sleeps: list[float]) -> None:
+    eng = engine(cache_blocks=3)
+    a = make_spec(prompt=prompt_of(2 * BLOCK, start=1))
+    b = make_spec(prompt=prompt_of(BLOCK, start=2))
+    c = make_spec(prompt=prompt_of(BLOCK, start=3))
+    await cached_tokens(eng, a)
+    await cached_tokens(eng, b)  # cache (oldest first): a0 a1 b0
+    assert await cached_tokens(eng, a) == 2 * BLOCK  # a hit refreshes: b0 a0 a1
+    await cached_tokens(eng, c)  # over the bound: b0 goes, not a0
+    assert await cached_tokens(eng, b) == 0  # ... and b0 returns, evicting a0
+    assert await cached_tokens(eng, c) == BLOCK
+    assert await cached_tokens(eng, a) == 0  # a0 gone: the chain breaks at block 0
+
+
+# --- reproducible tokens ---------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_greedy_output_is_identical_across_engines(sleeps: list[float]) -> None:
+    spec = make_spec("greedy-1", prompt_len=40, max_tokens=6, temperature=0.0)
+    prefill_engine, decode_engine = engine(), SimEngine(SimEngineConfig(), worker_id="sim-2")
+    (result,) = await prefill_engine.prefill([prefill_task(spec)])
+    key = sampling_key(prefill_task(spec))
+    assert sampling_key(decode_task(spec)) == key
+    assert result.first_token == prefill_engine.token(key, 0)
+
+    decode_engine.add(decode_task(spec, result.first_token))
+    steps = [await decode_engine.step() for _ in range(5)]
+    assert [s[0].position for s in steps] == [1, 2, 3, 4, 5]
+    assert [s[0].token for s in steps] == [prefill_engine.token(key, i) for i in range(1, 6)]
+
+
+def test_greedy_key_depends_on_the_prompt_only() -> None:
+    tokens = prompt_of(30)
+    same_a = make_spec("a", prompt=tokens, temperature=0.0)
+    same_b = make_spec("b", prompt=tokens, temperature=0.0)
+    other = make_spec("c", prompt=tokens[:-1], temperature=0.0)
+    assert sampling_key(prefill_task(same_a)) == sampling_key(prefill_task(same_b))
+    assert sampling_key(prefill_task(same_a)) != sampling_key(prefill_task(other))
+
+
+def test_seeded_and_sampled_keys() -> None:
+    tokens = prompt_of(30)
+    seeded = [make_spec(rid, prompt=tokens, temperature=1.0, seed=7) for rid in ("a", "b")]
+    assert sampling_key(prefill_task(seeded[0])) == sampling_key(prefill_task(seeded[1]))
+    assert sampling_key(prefill_task(seeded[0])) != sampling_key(
+        prefill_task(make_spec("a", prompt=tokens, temperature=1.0, seed=8)))
+    sampled = [make_spec(rid, prompt=tokens, temperature=1.0) for rid in ("a", "b")]
+    # Sampled without a seed: a fresh key per request, but the same one on both of its workers.
+    assert sampling_key(prefill_task(sampled[0])) != sampling_key(prefill_task(sampled[1]))
+    assert sampling_key(prefill_task(sampled[0])) == sampling_key(decode_task(sampled[0]))
+
+
+def test_tokens_stay_in_the_configured_range() -> None:
+    eng = engine(token_low=100, token_high=110)
+    tokens = {eng.token(key, pos) for key in range(20) for pos in range(50)}
+    assert tokens <= set(range(100, 110))
+    assert len(tokens) == 10
+
+
+def test_empty_token_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="empty token range"):
+        engine(token_low=10, token_high=10)
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("max_tokens", [2, 3, 8])
+async def test_decode_emits_max_tokens_minus_one_then_length(
+    sleeps: list[float], max_tokens: int
+) -> None:
+    eng = engine()
+    spec = make_spec(prompt_len=20, max_tokens=max_tokens)
+    eng.add(decode_task(spec))
+    outputs = []
+    while eng.running:
+        outputs += await eng.step()
+        assert len(outputs) < 100, "decode never finished"
+    assert len(outputs) == max_tokens - 1
+    assert [o.position for o in outputs] == list(range(1, max_tokens))
+    assert [o.finished for o in outputs] == [None] * (max_tokens - 2) + ["length"]
+    assert eng.held_tokens == 0
+
+
+@pytest.mark.anyio
+async def test_continuous_batch_steps_every_running_sequence(sleeps: list[float]) -> None:
+    eng = engine()
+    short, long = make_spec("short", max_tokens=2), make_spec("long", max_tokens=4)
+    eng.add(decode_task(short))
+    eng.add(decode_task(long))
+    first = await eng.step()
+    assert [(o.request_id, o.finished) for o in first] == [("short", "length"), ("long", None)]
+    assert eng.running == 1
+    rest = [await eng.step(), await eng.step()]
+    assert [[(o.request_id, o.position, o.finished) for o in s] for s in rest] == [
+        [("long", 2, None)], [("long", 3, "length")]]
+
+
+@pytest.mark.anyio
+async def test_abort_frees_held_tokens(sleeps: list[float]) -> None:
+    eng = engine()
+    a = make_spec("a", prompt_len=20, max_tokens=10)
+    b = make_spec("b", prompt_len=5, max_tokens=7)
+    eng.add(decode_task(a))
+    eng.add(decode_task(b))
+    assert (eng.running, eng.held_tokens) == (2, 30 + 12)
+    assert eng.abort("a") is True
+    assert (eng.running, eng.held_tokens) == (1, 12)
+    assert eng.abort("a") is False and eng.abort("never") is False
+    assert eng.held_tokens == 12
+    assert [o.request_id for o in await eng.step()] == ["b"]
+
+
+# --- cost model ------------------------------------------------------------------------------
+
+
+def test_cost_model_is_linear() -> None:
+    cost = SimCostModel(prefill_base_s=0.01, prefill_per_token_s=0.001,
+                        decode_step_base_s=0.002, decode_step_per_seq_s=0.0005)
+    assert cost.prefill_s(0) == pytest.approx(0.01)
+    assert cost.prefill_s(1000) == pytest.approx(1.01)
+    assert cost.decode_step_s(8) == pytest.approx(0.006)
+    assert SimCostModel().prefill_s(10_000) == 0.0 and SimCostModel().decode_step_s(64) == 0.0
+
+
+@pytest.mark.anyio
+async def test_prefill_time_counts_only_uncached_tokens(sleeps: list[float]) -> None:
+    eng = engine(cost=SimCostModel(prefill_base_s=0.5, prefill_per_token_s=0.01))
+    prompt = prompt_of(4 * BLOCK + 3)
+    await eng.prefill([prefill_task(make_spec(prompt=prompt))])
+    await eng.prefill([prefill_task(make_spec(prompt=prompt))])
+    longer = make_spec(prompt=prompt_of(10 * BLOCK, start=5))
+    await eng.prefill([prefill_task(longer)])
+    assert sleeps == pytest.approx([0.5 + 0.01 * 67, 0.5 + 0.01 * 3, 0.5 + 0.01 * 160])
+
+
+@pytest.mark.anyio
+async def test_a_prefill_batch_costs_its_uncached_tokens_together(sleeps: list[float]) -> None:
+    eng = engine(cost=SimCostModel(prefill_base_s=1.0, prefill_per_token_s=0.01))
+    warm = make_spec(prompt=prompt_of(2 * BLOCK, start=1))
+    await eng.prefill([prefill_task(warm)])
+    cold = make_spec(prompt=prompt_of(30, start=2))
+    results = await eng.prefill([prefill_task(make_spec(prompt=warm.prompt_tokens)), prefill_task(cold)])
+    assert [r.cached_tokens for r in results] == [2 * BLOCK, 0]
+    assert sleeps[-1] == pytest.approx(1.0 + 0.01 * 30)
+
+
+@pytest.mark.anyio
+async def test_decode_step_time_grows_with_the_batch(sleeps: list[float]) -> None:
+    eng = engine(cost=SimCostModel(decode_step_base_s=0.1, decode_step_per_seq_s=0.02))
+    for i in range(3):
+        eng.add(decode_task(make_spec(f"r{i}", max_tokens=10)))
+    await eng.step()
+    eng.abort("r0")
+    await eng.step()
+    assert sleeps == pytest.approx([0.16, 0.14])
+
+
+@pytest.mark.anyio
+async def test_prefill_result_carries_handle_and_usage(sleeps: list[float]) -> None:
+    eng = engine()
+    spec = make_spec("r1", prompt_len=3 * BLOCK)
+    (result,) = await eng.prefill([prefill_task(spec)])
+    assert result.request_id == "r1"
+    assert result.handle == SimKvHandle(worker_id="sim-1", block_keys=spec.block_keys,
+                                        num_tokens=3 * BLOCK)
+    assert result.prefill_s >= 0.0
