@@ -82,8 +82,7 @@ class Ingress:
         self.metrics = metrics
         self.bus_stats = bus_stats
         self.ingress_id = config.ingress_id
-        self._gen_ctx = GenerationContext(nc=nc, router=router, metrics=metrics,
-                                          idle_timeout_s=config.stream_idle_timeout_s)
+        self._gen_ctx = GenerationContext(nc=nc, router=router, metrics=metrics)
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -200,7 +199,7 @@ class Ingress:
         stops = stop_strings(body.stop)
         span = tracing.tracer().start_span(f"POST {request.url.path}", kind=SpanKind.SERVER)
         span.set_attribute("switchyard.request_id", spec.request_id)
-        chunks = self.router.open(spec.request_id, max_tokens)  # before submitting: hear every token
+        inbox = self.router.open(spec.request_id, max_tokens)  # before submitting: hear every token
         try:
             await self._submit(spec, trace.set_span_in_context(span))
         except ApiError as exc:
@@ -214,7 +213,7 @@ class Ingress:
         return Generation(ctx=self._gen_ctx, kind=kind, spec=spec, model=self.model, stream=body.stream,
                           include_usage=include_usage,
                           assembler=TextAssembler(self.tokenizer.decode_stream(), stops),
-                          chunks=chunks, span=span, arrived=time.monotonic())
+                          inbox=inbox, span=span, arrived=time.monotonic())
 
     def _spec(self, kind: Kind, body, prompt: list[int], max_tokens: int, tenant: str,
               session: str | None) -> RequestSpec:

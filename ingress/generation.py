@@ -16,14 +16,13 @@ from typing import Literal
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream
 from opentelemetry.trace import Span, Status, StatusCode
 
 from ingress.errors import ApiError, GenerationFailed
-from ingress.streams import StreamFailed, StreamRouter, TokenSequencer
+from ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from ingress.text import TextAssembler
 from observability.metrics import ServingMetrics
-from schemas import Cancel, RequestSpec, StreamChunk, StreamError, codec, subjects
+from schemas import Cancel, RequestSpec, codec, subjects
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,6 @@ class GenerationContext:
     nc: object  # nats Client
     router: StreamRouter
     metrics: ServingMetrics
-    idle_timeout_s: float
 
 
 @dataclass
@@ -52,7 +50,7 @@ class Generation:
     stream: bool
     include_usage: bool
     assembler: TextAssembler
-    chunks: MemoryObjectReceiveStream[StreamChunk]
+    inbox: Inbox
     span: Span
     arrived: float  # monotonic
     created: int = field(default_factory=lambda: int(time.time()))
@@ -94,34 +92,18 @@ class Generation:
 
     async def _next_tokens(self) -> list[int]:
         """Tokens that have arrived, coalesced into one delta: under load the client gets
-        fewer, larger events instead of falling behind. Waits only when nothing is there."""
-        tokens = self._arrived()
-        if tokens is None:
-            try:
-                with anyio.fail_after(self.ctx.idle_timeout_s):
-                    chunk = await self.chunks.receive()
-            except TimeoutError:
-                raise StreamFailed(_error("timeout", f"no token for {self.ctx.idle_timeout_s:.0f} s")) from None
-            except anyio.EndOfStream:
-                raise StreamFailed(_error("overflow", "the token stream overflowed")) from None
-            tokens = self.sequencer.feed(chunk) + (self._arrived() or [])
+        fewer, larger events instead of falling behind. Waits only when nothing is there
+        (the router's watchdog fails a stream that stays silent)."""
+        if not self.inbox.chunks:
+            await self.inbox.wait()
+        tokens: list[int] = []
+        chunks = self.inbox.chunks
+        while chunks and not self.sequencer.finished:
+            tokens += self.sequencer.feed(chunks.popleft())
         if tokens:
             now = time.monotonic()
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
-        return tokens
-
-    def _arrived(self) -> list[int] | None:
-        """Tokens of every chunk already waiting; None when no chunk was waiting."""
-        tokens = None
-        while not self.sequencer.finished:
-            try:
-                chunk = self.chunks.receive_nowait()
-            except anyio.WouldBlock:
-                break
-            except anyio.EndOfStream:
-                raise StreamFailed(_error("overflow", "the token stream overflowed")) from None
-            tokens = (tokens or []) + self.sequencer.feed(chunk)
         return tokens
 
     @property
@@ -260,10 +242,6 @@ class _DeltaFrames:
 
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
-
-
-def _error(code: str, message: str) -> StreamError:
-    return StreamError(code=code, message=message)
 
 
 async def _send_json(send, error: ApiError | None, body: dict | None = None) -> None:

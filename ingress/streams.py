@@ -2,9 +2,13 @@
 
 One subscription per ingress (``stream(ingress_id)``) carries the tokens of every
 request this ingress serves; ``StreamRouter`` hands each chunk to its request's
-memory stream. That stream is bounded by construction: a request gets at most one
-chunk per output token plus a terminal one, so ``max_tokens + slack`` never fills
-unless something upstream misbehaves, in which case the request fails loudly.
+``Inbox``. An inbox is bounded by construction: a request gets at most one chunk per
+output token plus a terminal one, so ``max_tokens + slack`` never fills unless
+something upstream misbehaves, in which case the request fails loudly.
+
+The inbox is a deque and an event, not a memory object stream with a timeout per
+receive: this is the per-token hot path. Idle streams are failed instead by one
+watchdog for the whole ingress (``StreamRouter.expire_idle``).
 
 ``TokenSequencer`` turns chunks, possibly repeated or out of order (a retried prefill,
 two publishers), into each output position exactly once.
@@ -13,10 +17,11 @@ two publishers), into each output position exactly once.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from schemas import PromptUsage, StreamChunk, StreamError, codec
 
@@ -25,24 +30,60 @@ log = logging.getLogger(__name__)
 _SLACK = 16
 
 
+class Inbox:
+    """The chunks of one request, from the router to its reader."""
+
+    __slots__ = ("request_id", "chunks", "limit", "last_put", "_wake")
+
+    def __init__(self, request_id: str, limit: int) -> None:
+        self.request_id = request_id
+        self.chunks: deque[StreamChunk] = deque()
+        self.limit = limit
+        self.last_put = time.monotonic()
+        self._wake: anyio.Event | None = None
+
+    def put(self, chunk: StreamChunk) -> bool:
+        """False when full: the request is failed instead of growing without bound."""
+        if len(self.chunks) >= self.limit:
+            return False
+        self.chunks.append(chunk)
+        self.last_put = time.monotonic()
+        if self._wake is not None:
+            self._wake.set()
+        return True
+
+    def fail(self, code: str, message: str) -> None:
+        self.chunks.append(StreamChunk(request_id=self.request_id, seq=0,
+                                       error=StreamError(code=code, message=message)))
+        if self._wake is not None:
+            self._wake.set()
+
+    async def wait(self) -> None:
+        """Until at least one chunk is there."""
+        while not self.chunks:
+            self._wake = anyio.Event()
+            try:
+                await self._wake.wait()
+            finally:
+                self._wake = None
+
+
 class StreamRouter:
     def __init__(self) -> None:
-        self._routes: dict[str, MemoryObjectSendStream[StreamChunk]] = {}
+        self._inboxes: dict[str, Inbox] = {}
         self.unroutable = 0  # chunks for requests that already ended here
         self.overflows = 0
 
-    def open(self, request_id: str, max_tokens: int) -> MemoryObjectReceiveStream[StreamChunk]:
-        send, receive = anyio.create_memory_object_stream[StreamChunk](max_tokens + _SLACK)
-        self._routes[request_id] = send
-        return receive
+    def open(self, request_id: str, max_tokens: int) -> Inbox:
+        inbox = Inbox(request_id, max_tokens + _SLACK)
+        self._inboxes[request_id] = inbox
+        return inbox
 
     def close(self, request_id: str) -> None:
-        send = self._routes.pop(request_id, None)
-        if send is not None:
-            send.close()
+        self._inboxes.pop(request_id, None)
 
     def __len__(self) -> int:
-        return len(self._routes)
+        return len(self._inboxes)
 
     async def serve(self, sub) -> None:
         async for msg in sub.messages:
@@ -55,18 +96,28 @@ class StreamRouter:
                 self._route(chunk)
 
     def _route(self, chunk: StreamChunk) -> None:
-        send = self._routes.get(chunk.request_id)
-        if send is None:
+        inbox = self._inboxes.get(chunk.request_id)
+        if inbox is None:
             self.unroutable += 1
-            return
-        try:
-            send.send_nowait(chunk)
-        except anyio.WouldBlock:
+        elif not inbox.put(chunk):
             self.overflows += 1
             log.error("stream of %s overflowed; failing it", chunk.request_id)
-            self.close(chunk.request_id)  # the reader sees the end and reports an error
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.close(chunk.request_id)
+            inbox.fail("overflow", "the token stream overflowed")
+
+    def expire_idle(self, idle_s: float, now: float | None = None) -> int:
+        """Fail every stream silent for ``idle_s``; returns how many."""
+        now = time.monotonic() if now is None else now
+        stale = [inbox for inbox in self._inboxes.values() if now - inbox.last_put > idle_s]
+        for inbox in stale:
+            self.close(inbox.request_id)
+            inbox.fail("timeout", f"no token for {idle_s:.0f} s")
+        return len(stale)
+
+    async def watch_idle(self, idle_s: float) -> None:
+        while True:
+            await anyio.sleep(min(1.0, idle_s / 4))
+            self.expire_idle(idle_s)
 
 
 class StreamFailed(Exception):

@@ -24,8 +24,14 @@ class TracingError(Exception):
 
 
 def configure(service_name: str, exporter: str = "none",
-              processor: SpanProcessor | None = None) -> TracerProvider:
-    """Install the process's tracer provider (OpenTelemetry allows one per process)."""
+              processor: SpanProcessor | None = None) -> TracerProvider | None:
+    """Install the process's tracer provider (OpenTelemetry allows one per process).
+
+    With nothing to export, no SDK provider is installed: the API's non-recording spans
+    still carry the incoming context onward, so traces stay whole across services that
+    do export, and the hot path pays nothing for spans nobody reads."""
+    if exporter == "none" and processor is None:
+        return None
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     if processor is not None:
         provider.add_span_processor(processor)

@@ -94,8 +94,8 @@ class SchedulerService:
                         self._trace_headers[spec.request_id] = dict(msg.headers or {})
                         reply, actions = self.core.submit(spec, self._clock())
                         span.set_attribute("switchyard.admission", type(reply).__name__.lower())
+                    await self._act(actions)  # the dispatch first: it is on the token's path
                     await msg.respond(codec.SCHEDULER_REPLY.encode(reply))
-                    await self._act(actions)
                 case StatusRequest():
                     await msg.respond(codec.SCHEDULER_REPLY.encode(self.core.status()))
 
