@@ -1,30 +1,32 @@
 """The scheduler on the bus: a thin async loop around ``SchedulerCore``.
 
-Inputs arrive on three subscriptions (submits, worker events, cancels) and a ticker;
-each is fed to the core synchronously, in this one event loop, so the core needs no
-locks. The core's actions go into a bounded stream drained by a fixed pool of
-dispatchers that do the request/reply to workers and feed failures back.
+Inputs arrive on four subscriptions (submits, worker events, cancels, task acks) and
+a ticker; each is fed to the core synchronously, in this one event loop, so the core
+needs no locks. The core's actions are carried out at once by the task that fed it:
+a dispatch is published straight away (it is on the token's path), with a reply
+subject on the scheduler's own ack inbox. Acks, refusals and NATS's no-responders
+status come back there; a dispatch unanswered for ``dispatch_timeout_s`` times out
+on the ticker. Every failure goes back into the core, which decides what to retry.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 
 from observability import tracing
 from observability.bus import BusStats, connect, subscribe
 from scheduler.config import SchedulerConfig
-from scheduler.core import Action, Dispatch, FailStream, SchedulerCore
+from scheduler.core import Action, Dispatch, DispatchOutcome, FailStream, SchedulerCore
 from schemas import (
     Cancel,
     RollCall,
@@ -38,13 +40,21 @@ from schemas import (
 
 log = logging.getLogger(__name__)
 
+_NO_RESPONDERS = "503"
+
 
 class SchedulerServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str
     core: SchedulerConfig = SchedulerConfig()
     tick_s: float = 0.1
     dispatch_timeout_s: float = 2.0
-    dispatchers: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingAck:
+    worker_id: str
+    request_id: str
+    deadline: float
 
 
 class SchedulerService:
@@ -55,20 +65,24 @@ class SchedulerService:
         self.stats = BusStats()
         self._clock = clock
         self._trace_headers: dict[str, dict[str, str]] = {}
-        self._actions_in, self._actions_out = anyio.create_memory_object_stream[Action](4096)
+        self._ack_inbox = f"_INBOX.{self.scheduler_id}"
+        self._pending: dict[str, _PendingAck] = {}  # ack token -> dispatch awaiting its ack
+        self._tokens = itertools.count()
+        self._nc: Client | None = None
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with connect(self.config.nats_url, self.scheduler_id, self.stats) as nc:
+            self._nc = nc
             async with anyio.create_task_group() as tg:
                 submits = await subscribe(nc, subjects.SUBMIT, queue=subjects.SCHEDULER_QUEUE)
                 events = await subscribe(nc, subjects.WORKER_EVENTS)
                 cancels = await subscribe(nc, subjects.CANCEL)
-                tg.start_soon(self._serve_submits, nc, submits)
+                acks = await subscribe(nc, f"{self._ack_inbox}.*")
+                tg.start_soon(self._serve_submits, submits)
                 tg.start_soon(self._serve_events, events)
                 tg.start_soon(self._serve_cancels, cancels)
+                tg.start_soon(self._serve_acks, acks)
                 tg.start_soon(self._tick)
-                for _ in range(self.config.dispatchers):
-                    tg.start_soon(self._dispatcher, nc, self._actions_out.clone())
                 await nc.flush()
                 # Workers that were up before us register now instead of at their next beat.
                 await nc.publish(subjects.ROLL_CALL,
@@ -78,7 +92,7 @@ class SchedulerService:
 
     # --- inputs --------------------------------------------------------------------
 
-    async def _serve_submits(self, nc: Client, sub) -> None:
+    async def _serve_submits(self, sub) -> None:
         async for msg in sub.messages:
             try:
                 request = codec.SCHEDULER_REQUEST.decode(msg.data)
@@ -117,10 +131,30 @@ class SchedulerService:
                 continue
             await self._act(self.core.on_cancel(cancel.request_id, self._clock()))
 
+    async def _serve_acks(self, sub) -> None:
+        async for msg in sub.messages:
+            pending = self._pending.pop(msg.subject.rsplit(".", 1)[-1], None)
+            if pending is None:
+                continue  # already timed out
+            if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+                await self._dispatch_failed(pending, "no_responders")
+                continue
+            try:
+                ack = codec.TASK_ACK.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable ack from %s: %s", pending.worker_id, exc)
+                continue
+            if not ack.accepted:
+                log.info("worker %s refused %s: %s", pending.worker_id, pending.request_id, ack.reason)
+                await self._dispatch_failed(pending, "refused")
+
     async def _tick(self) -> None:
         while True:
             await anyio.sleep(self.config.tick_s)
-            await self._act(self.core.tick(self._clock()))
+            now = self._clock()
+            for token in [t for t, p in self._pending.items() if p.deadline <= now]:
+                await self._dispatch_failed(self._pending.pop(token), "timeout")
+            await self._act(self.core.tick(now))
             self._forget_finished_traces()
 
     def _forget_finished_traces(self) -> None:
@@ -132,43 +166,35 @@ class SchedulerService:
 
     async def _act(self, actions: list[Action]) -> None:
         for action in actions:
-            await self._actions_in.send(action)
+            match action:
+                case Dispatch():
+                    await self._dispatch(action)
+                case FailStream():
+                    await self._fail_stream(action)
 
-    async def _dispatcher(self, nc: Client, actions: MemoryObjectReceiveStream[Action]) -> None:
-        async with actions:
-            async for action in actions:
-                match action:
-                    case Dispatch():
-                        await self._dispatch(nc, action)
-                    case FailStream():
-                        await self._fail_stream(nc, action)
-
-    async def _dispatch(self, nc: Client, action: Dispatch) -> None:
+    async def _dispatch(self, action: Dispatch) -> None:
+        assert self._nc is not None
         rid = action.task.spec.request_id
         kind = type(action.task).__name__.removesuffix("Task").lower()
         ctx = tracing.extract(self._trace_headers.get(rid))
         with tracing.tracer().start_as_current_span(f"scheduler.dispatch.{kind}", context=ctx) as span:
             span.set_attribute("switchyard.worker_id", action.worker_id)
             headers = tracing.inject()
-        payload = codec.WORKER_TASK.encode(action.task)
-        try:
-            reply = await nc.request(subjects.worker_tasks(action.worker_id), payload,
-                                     timeout=self.config.dispatch_timeout_s, headers=headers)
-        except NoRespondersError:
-            log.warning("worker %s has no responder for %s: removing it", action.worker_id, rid)
-            await self._act(self.core.on_dispatch_failed(action.worker_id, rid, "no_responders", self._clock()))
-            return
-        except NatsTimeout:
-            log.warning("worker %s did not answer for %s: removing it", action.worker_id, rid)
-            await self._act(self.core.on_dispatch_failed(action.worker_id, rid, "timeout", self._clock()))
-            return
-        ack = codec.TASK_ACK.decode(reply.data)
-        if not ack.accepted:
-            log.info("worker %s refused %s: %s", action.worker_id, rid, ack.reason)
-            await self._act(self.core.on_dispatch_failed(action.worker_id, rid, "refused", self._clock()))
+        token = str(next(self._tokens))
+        self._pending[token] = _PendingAck(action.worker_id, rid, self._clock() + self.config.dispatch_timeout_s)
+        await self._nc.publish(subjects.worker_tasks(action.worker_id), codec.WORKER_TASK.encode(action.task),
+                               reply=f"{self._ack_inbox}.{token}", headers=headers or None)
 
-    async def _fail_stream(self, nc: Client, action: FailStream) -> None:
+    async def _dispatch_failed(self, pending: _PendingAck, outcome: DispatchOutcome) -> None:
+        if outcome != "refused":
+            log.warning("worker %s: %s for %s; removing it", pending.worker_id, outcome.replace("_", " "),
+                        pending.request_id)
+        await self._act(self.core.on_dispatch_failed(pending.worker_id, pending.request_id, outcome,
+                                                      self._clock()))
+
+    async def _fail_stream(self, action: FailStream) -> None:
+        assert self._nc is not None
         log.warning("failing %s: %s", action.request_id, action.error.message)
         chunk = StreamChunk(request_id=action.request_id, seq=0, error=action.error)
         batch = StreamBatch(sender=self.scheduler_id, chunks=[chunk])
-        await nc.publish(subjects.stream(action.ingress_id), codec.STREAM_BATCH.encode(batch))
+        await self._nc.publish(subjects.stream(action.ingress_id), codec.STREAM_BATCH.encode(batch))

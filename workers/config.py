@@ -21,6 +21,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # prefill: prompt tokens accepted in flight; decode: KV tokens held (prompt + max_tokens)
     token_budget: int = 65_536
     report_interval_s: float = 0.5
+    # decode: steps faster than this share one bus message (see workers/decode.py)
+    min_publish_interval_s: float = 0.001
     sim: SimEngineConfig = SimEngineConfig()
 
     def __post_init__(self) -> None:

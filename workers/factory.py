@@ -12,5 +12,8 @@ from workers.sim import SimEngine
 def build_worker(config: WorkerConfig) -> WorkerRuntime:
     config = config.with_id()
     engine = SimEngine(config.sim, config.worker_id)  # the only engine so far
-    role_cls = PrefillRole if config.role == "prefill" else DecodeRole
-    return WorkerRuntime(config, role_cls(engine, config.worker_id, config.token_budget))
+    if config.role == "prefill":
+        role = PrefillRole(engine, config.worker_id, config.token_budget)
+    else:
+        role = DecodeRole(engine, config.worker_id, config.token_budget, config.min_publish_interval_s)
+    return WorkerRuntime(config, role)

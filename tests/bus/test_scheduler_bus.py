@@ -30,6 +30,11 @@ async def _wait(predicate, timeout_s: float = 5.0) -> None:
             await anyio.sleep(0.02)
 
 
+def _positions(chunks) -> list[int]:
+    """Output positions carried by the chunks, each token once (a chunk may carry several)."""
+    return sorted(c.seq + i for c in chunks for i in range(len(c.token_ids)))
+
+
 async def _collect(sub, rid: str, expect_tokens: int) -> list:
     chunks = []
     with anyio.fail_after(5):
@@ -66,9 +71,10 @@ async def test_a_request_flows_through_prefill_and_decode(nats):
         reply = await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r1"))))
         assert type(codec.SCHEDULER_REPLY.decode(reply.data)).__name__ == "Admitted"
         chunks = await _collect(sub, "r1", 4)
-        assert sorted(c.seq for c in chunks) == [0, 1, 2, 3]
+        assert _positions(chunks) == [0, 1, 2, 3]
         assert chunks[0].usage is not None and chunks[0].usage.prompt_tokens == 40
         assert [c.finish_reason for c in sorted(chunks, key=lambda c: c.seq)][-1] == "length"
+        assert sum(c.finish_reason is not None for c in chunks) == 1
         await _wait(lambda: not sched.core.requests)
         tg.cancel_scope.cancel()
 
@@ -105,7 +111,7 @@ async def test_silent_worker_expires_and_its_prefill_is_redone_elsewhere(nats):
         real = build_worker(worker_config(nats.url, "prefill"))
         await tg.start(real.run)
         chunks = await _collect(sub, "r2", 4)
-        assert sorted(c.seq for c in chunks) == [0, 1, 2, 3]
+        assert _positions(chunks) == [0, 1, 2, 3]
         assert time.monotonic() - started < 3
         tg.cancel_scope.cancel()
 

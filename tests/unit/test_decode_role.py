@@ -1,0 +1,94 @@
+"""The decode role's batching of steps into bus messages (a recording bus, a sim engine)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from factories import make_spec
+from schemas import DecodeTask, PromptUsage, SimKvHandle
+from workers.decode import DecodeRole
+from workers.sim import SimCostModel, SimEngine, SimEngineConfig
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class RecordingBus:
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, list]] = []
+        self.events: list = []
+
+    async def stream(self, ingress_id, chunks) -> None:
+        self.batches.append((ingress_id, list(chunks)))
+
+    async def event(self, event) -> None:
+        self.events.append(event)
+
+
+def _task(rid: str, ingress: str, max_tokens: int) -> DecodeTask:
+    spec = make_spec(rid, ingress_id=ingress, max_tokens=max_tokens)
+    return DecodeTask(spec=spec, handle=SimKvHandle(worker_id="p", block_keys=[], num_tokens=0), first_token=7,
+                      usage=PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0))
+
+
+async def _run(role: DecodeRole, bus: RecordingBus, until) -> None:
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(role.serve, bus)
+            while not until():
+                await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+
+
+def _positions(bus: RecordingBus, rid: str) -> list[int]:
+    return [c.seq + i for _, chunks in bus.batches for c in chunks if c.request_id == rid
+            for i in range(len(c.token_ids))]
+
+
+async def test_every_position_once_and_one_finish_per_request() -> None:
+    engine = SimEngine(SimEngineConfig(), "d")
+    role, bus = DecodeRole(engine, "d", 100_000, min_publish_interval_s=0.01), RecordingBus()
+    for rid, ingress in (("a", "i1"), ("b", "i2"), ("c", "i1")):
+        assert role.offer(_task(rid, ingress, 50), {}) is None
+    await _run(role, bus, lambda: len(bus.events) == 3)
+    for rid in "abc":
+        assert _positions(bus, rid) == list(range(1, 50))
+    finishes = [c for _, chunks in bus.batches for c in chunks if c.finish_reason]
+    assert sorted(c.request_id for c in finishes) == ["a", "b", "c"]
+    assert all(ingress in ("i1", "i2") for ingress, _ in bus.batches)
+    assert all(len({c.request_id for c in chunks}) == len(chunks) for _, chunks in bus.batches)
+    assert [e.generated_tokens for e in bus.events] == [50, 50, 50]
+    assert role.running() == 0 and role.inflight_tokens() == 0
+
+
+async def test_fast_steps_share_messages_slow_steps_do_not() -> None:
+    fast = SimEngine(SimEngineConfig(), "d")
+    role, bus = DecodeRole(fast, "d", 100_000, min_publish_interval_s=0.05), RecordingBus()
+    role.offer(_task("a", "i", 200), {})
+    await _run(role, bus, lambda: bool(bus.events))
+    assert len(bus.batches) < 199 / 2  # 199 steps of a zero-cost engine, far fewer messages
+    assert _positions(bus, "a") == list(range(1, 200))
+
+    slow = SimEngine(SimEngineConfig(cost=SimCostModel(decode_step_base_s=0.002)), "d")
+    role, bus = DecodeRole(slow, "d", 100_000, min_publish_interval_s=0.001), RecordingBus()
+    role.offer(_task("b", "i", 20), {})
+    await _run(role, bus, lambda: bool(bus.events))
+    assert len(bus.batches) == 19  # each 2 ms step is its own message
+
+
+async def test_cancel_drops_unsent_tokens_and_frees_the_engine() -> None:
+    engine = SimEngine(SimEngineConfig(cost=SimCostModel(decode_step_base_s=0.001)), "d")
+    role, bus = DecodeRole(engine, "d", 100_000, min_publish_interval_s=10.0), RecordingBus()
+    role.offer(_task("a", "i", 10_000), {})
+    role.offer(_task("b", "i", 5), {})
+    await _run(role, bus, lambda: bool(bus.events))  # b finishes: everything pending is sent
+    role.cancel("a")
+    sent = len(_positions(bus, "a"))
+    assert role.running() == 0 and engine.held_tokens == 0
+    await _run(role, bus, lambda: True)
+    assert len(_positions(bus, "a")) == sent
