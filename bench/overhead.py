@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,64,256", help="comma-separated stream counts")
     p.add_argument("--stream-tokens", type=int, default=256, help="max_tokens of each streamed request")
     p.add_argument("--seconds", type=float, default=6.0, help="length of each throughput run")
+    p.add_argument("--min-publish-interval-s", type=float, default=0.001,
+                   help="decode workers' message floor (0: one bus message per engine step)")
     p.add_argument("--quick", action="store_true", help="a smoke run: few requests, short runs")
 
 
@@ -59,11 +61,12 @@ def run(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     results = Results(settings={"ttft_requests": args.ttft_requests, "concurrency": levels,
+                                "min_publish_interval_s": args.min_publish_interval_s,
                                 "stream_tokens": args.stream_tokens, "seconds": args.seconds,
                                 "cpus": psutil.cpu_count()})
     with ExitStack() as stack:
         server = stack.enter_context(procs.nats_server())
-        children = _start_stack(server, stack)
+        children = _start_stack(server, stack, args.min_publish_interval_s)
         url = f"http://127.0.0.1:{children.port}"
         direct = _start_direct_engine(stack)
         _wait_healthy(url)
@@ -80,12 +83,13 @@ class _Children:
     processes: dict  # name -> Popen
 
 
-def _start_stack(server, stack: ExitStack) -> _Children:
+def _start_stack(server, stack: ExitStack, min_publish_interval_s: float) -> _Children:
     from switchyard.cli import build_parser
     from switchyard.up import child_commands
 
     port = procs.free_port()
-    up_args = build_parser().parse_args(["up", "--port", str(port), "--log-level", "warning"])
+    up_args = build_parser().parse_args(["up", "--port", str(port), "--log-level", "warning",
+                                         "--min-publish-interval-s", str(min_publish_interval_s)])
     processes = {}
     for name, command in child_commands(up_args, server.url):
         processes[name] = procs.spawn(command, env=procs.child_env())

@@ -103,6 +103,8 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--token-budget", type=_positive_int, default=65_536)
     g.add_argument("--report-interval-s", type=float, default=0.5)
+    g.add_argument("--min-publish-interval-s", type=float, default=0.001,
+                   help="decode: steps faster than this share one bus message")
     g.add_argument("--sim-prefill-base-s", type=float, default=0.0)
     g.add_argument("--sim-prefill-per-token-s", type=float, default=0.0)
     g.add_argument("--sim-decode-step-base-s", type=float, default=0.0)
@@ -145,7 +147,8 @@ def worker_config(args: argparse.Namespace, nats_url: str):
     sim = SimEngineConfig(cost=cost, cache_blocks=args.sim_cache_blocks, token_low=low, token_high=ordinary.stop)
     return WorkerConfig(nats_url=nats_url, role=args.role, model=tokenizer.info.name, engine=args.engine,
                         worker_id=args.worker_id, block_size=args.block_size, token_budget=args.token_budget,
-                        report_interval_s=args.report_interval_s, sim=sim)
+                        report_interval_s=args.report_interval_s,
+                        min_publish_interval_s=args.min_publish_interval_s, sim=sim)
 
 
 # --- running a service ------------------------------------------------------------------------

@@ -31,6 +31,7 @@ def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, l
     common = ["--nats", nats_url, "--log-level", args.log_level, "--trace-exporter", args.trace_exporter]
     worker = [*common, "--engine", args.engine, "--model", str(args.model), "--block-size", str(args.block_size),
               "--token-budget", str(args.token_budget), "--report-interval-s", str(args.report_interval_s),
+              "--min-publish-interval-s", str(args.min_publish_interval_s),
               "--sim-prefill-base-s", str(args.sim_prefill_base_s),
               "--sim-prefill-per-token-s", str(args.sim_prefill_per_token_s),
               "--sim-decode-step-base-s", str(args.sim_decode_step_base_s),

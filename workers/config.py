@@ -30,6 +30,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if self.token_budget <= 0 or self.block_size <= 0 or self.report_interval_s <= 0:
             raise ValueError("token_budget, block_size and report_interval_s must be positive")
+        if self.min_publish_interval_s < 0:
+            raise ValueError("min_publish_interval_s must not be negative")
 
     def with_id(self) -> "WorkerConfig":
         """This config with a worker id, generated when none was given."""

@@ -127,3 +127,25 @@ async def test_slow_consumer_drops_are_counted(nats):
         await _wait(lambda: stats.dropped > 0, timeout_s=3)
         await sub.unsubscribe()
     assert stats.dropped > 0
+
+
+async def test_a_worker_that_never_acks_times_out_and_its_prefill_is_redone(nats):
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.3,
+                                                    core=SchedulerConfig(worker_expiry_s=60)))
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        await tg.start(sched.run)
+        await tg.start(build_worker(worker_config(nats.url, "decode")).run)
+        # Registered and listening, but it never answers a task: only the ack timeout can tell.
+        mute = await nc.subscribe(subjects.worker_tasks("mute"))
+        report = LoadReport(worker_id="mute", role="prefill", seq=1, engine="sim", model="m", block_size=16,
+                            token_budget=1_000_000, inflight_tokens=0, running=0, interval_s=0.1)
+        await nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(report))
+        await _wait(lambda: "mute" in sched.core.workers)
+        sub = await nc.subscribe(subjects.stream("ing-test"))
+        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r3"))))
+        await tg.start(build_worker(worker_config(nats.url, "prefill")).run)
+        chunks = await _collect(sub, "r3", 4)
+        assert _positions(chunks) == [0, 1, 2, 3]
+        assert "mute" not in sched.core.workers
+        assert (await mute.next_msg(timeout=1)).data  # the task did reach it: a timeout, not no-responders
+        tg.cancel_scope.cancel()

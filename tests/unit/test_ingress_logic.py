@@ -361,3 +361,54 @@ def test_check_sampling_accepts_the_edges() -> None:
     for fields in ({}, {"n": 1, "temperature": 0.0, "top_p": 1.0}, {"temperature": 2.0, "top_p": 0.01},
                    {"stream": True, "stream_options": {"include_usage": True}}):
         check_sampling(chat(**fields))  # raises on failure
+
+
+# --- StreamRouter: bounded inboxes, idle expiry -------------------------------------------------
+
+from ingress.streams import StreamRouter  # noqa: E402
+from schemas import StreamBatch  # noqa: E402
+
+
+def _route_all(router: StreamRouter, *chunks) -> None:
+    for c in chunks:
+        router._route(c)
+
+
+def test_router_delivers_to_the_open_inbox_only() -> None:
+    router = StreamRouter()
+    inbox = router.open("r", max_tokens=4)
+    _route_all(router, StreamChunk(request_id="r", seq=0, token_ids=[1]),
+               StreamChunk(request_id="other", seq=0, token_ids=[2]))
+    assert [c.token_ids for c in inbox.chunks] == [[1]]
+    assert router.unroutable == 1
+    router.close("r")
+    _route_all(router, StreamChunk(request_id="r", seq=1, token_ids=[3]))
+    assert len(inbox.chunks) == 1 and router.unroutable == 2 and len(router) == 0
+
+
+def test_router_fails_an_overflowing_stream_instead_of_growing() -> None:
+    router = StreamRouter()
+    inbox = router.open("r", max_tokens=2)
+    for i in range(inbox.limit + 5):
+        router._route(StreamChunk(request_id="r", seq=i, token_ids=[i]))
+    assert router.overflows == 1 and len(router) == 0
+    assert len(inbox.chunks) == inbox.limit + 1
+    assert inbox.chunks[-1].error is not None and inbox.chunks[-1].error.code == "overflow"
+
+
+def test_router_expires_silent_streams_only() -> None:
+    router = StreamRouter()
+    quiet, busy = router.open("quiet", 4), router.open("busy", 4)
+    now = quiet.last_put
+    busy.put(StreamChunk(request_id="busy", seq=0, token_ids=[1]))
+    busy.last_put = now + 9
+    assert router.expire_idle(5.0, now=now + 10) == 1
+    assert quiet.chunks[-1].error.code == "timeout" and "quiet" not in router._inboxes
+    assert "busy" in router._inboxes and busy.chunks[-1].error is None
+
+
+def test_stream_batches_round_trip_through_the_router_codec() -> None:
+    from schemas import codec
+
+    batch = StreamBatch(sender="w", chunks=[StreamChunk(request_id="r", seq=0, token_ids=[5, 6])])
+    assert codec.STREAM_BATCH.decode(codec.STREAM_BATCH.encode(batch)) == batch
