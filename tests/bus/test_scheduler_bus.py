@@ -24,6 +24,13 @@ def _spec(rid: str, ingress: str = "ing-test", tokens: int = 40, max_tokens: int
                        block_size=16, block_keys=[], sampling=SamplingParams(max_tokens=max_tokens))
 
 
+async def _register_impostor(nc, worker_id: str) -> None:
+    """One heartbeat of an idle, roomy prefill worker that is not really there."""
+    report = LoadReport(worker_id=worker_id, role="prefill", seq=1, engine="sim", model="m", block_size=16,
+                        token_budget=1_000_000, inflight_tokens=0, running=0, interval_s=0.1)
+    await nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(report))
+
+
 async def _wait(predicate, timeout_s: float = 5.0) -> None:
     with anyio.fail_after(timeout_s):
         while not predicate():
@@ -100,9 +107,7 @@ async def test_silent_worker_expires_and_its_prefill_is_redone_elsewhere(nats):
         await tg.start(sched.run)
         await tg.start(build_worker(worker_config(nats.url, "decode")).run)
         # A "worker" that registers with an ultra-low load, then never answers a task.
-        ghost = LoadReport(worker_id="ghost", role="prefill", seq=1, engine="sim", model="m", block_size=16,
-                           token_budget=1_000_000, inflight_tokens=0, running=0, interval_s=0.1)
-        await nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(ghost))
+        await _register_impostor(nc, "ghost")
         await _wait(lambda: "ghost" in sched.core.workers and len(sched.core.workers) == 2)
         sub = await nc.subscribe(subjects.stream("ing-test"))
         await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r2"))))
@@ -137,9 +142,7 @@ async def test_a_worker_that_never_acks_times_out_and_its_prefill_is_redone(nats
         await tg.start(build_worker(worker_config(nats.url, "decode")).run)
         # Registered and listening, but it never answers a task: only the ack timeout can tell.
         mute = await nc.subscribe(subjects.worker_tasks("mute"))
-        report = LoadReport(worker_id="mute", role="prefill", seq=1, engine="sim", model="m", block_size=16,
-                            token_budget=1_000_000, inflight_tokens=0, running=0, interval_s=0.1)
-        await nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(report))
+        await _register_impostor(nc, "mute")
         await _wait(lambda: "mute" in sched.core.workers)
         sub = await nc.subscribe(subjects.stream("ing-test"))
         await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r3"))))

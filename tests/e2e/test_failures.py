@@ -20,6 +20,12 @@ SLOW_DECODE = SimCostModel(decode_step_base_s=0.02)  # 50 tokens/s per stream
 PROMPT = [{"role": "user", "content": "Count the wagons in the yard."}]
 
 
+def _worker_process(nats_url: str, role: str, *flags: str) -> subprocess.Popen:
+    """A worker in its own process, so that a test can SIGKILL it."""
+    return procs.spawn(procs.service_command("worker", "--role", role, "--nats", nats_url, "--report-interval-s",
+                                             "0.1", "--log-level", "warning", *flags), env=procs.child_env())
+
+
 def _client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30)
 
@@ -52,9 +58,7 @@ def test_disconnect_while_non_streaming_cancels_too(nats):
 
 def test_decode_worker_killed_mid_stream_gives_an_error_event(nats):
     with running_stack(nats.url, decode=0, scheduler=SchedulerConfig(worker_expiry_s=0.5)) as stack:
-        child = procs.spawn(procs.service_command(
-            "worker", "--role", "decode", "--nats", nats.url, "--report-interval-s", "0.1",
-            "--sim-decode-step-base-s", "0.02", "--log-level", "warning"), env=procs.child_env())
+        child = _worker_process(nats.url, "decode", "--sim-decode-step-base-s", "0.02")
         try:
             stack.wait_healthy(prefill=1, decode=1, timeout_s=20)
             stream = _client(stack).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2000,
@@ -77,9 +81,7 @@ def test_decode_worker_killed_mid_stream_gives_an_error_event(nats):
 def test_prefill_worker_lost_before_prefill_is_retried_elsewhere(nats):
     slow_prefill = SimCostModel(prefill_base_s=1.0)
     with running_stack(nats.url, prefill=0, scheduler=SchedulerConfig(worker_expiry_s=0.5)) as stack:
-        child = procs.spawn(procs.service_command(
-            "worker", "--role", "prefill", "--nats", nats.url, "--report-interval-s", "0.1",
-            "--sim-prefill-base-s", "30", "--log-level", "warning"), env=procs.child_env())
+        child = _worker_process(nats.url, "prefill", "--sim-prefill-base-s", "30")
         try:
             stack.wait_healthy(prefill=1, decode=1, timeout_s=20)
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
