@@ -19,7 +19,8 @@ import msgspec
 # them (kvbus.keys) so that every component agrees on what a prefix is.
 BlockKey = NewType("BlockKey", int)
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "both"]  # "both": a colocated worker, prefill and decode in one
+Tier = Literal["device", "host", "disk", "cluster"]  # where a KV block lives, fastest first
 FinishReason = Literal["length", "stop", "abort"]
 RejectReason = Literal["overloaded", "no_workers", "too_large", "invalid"]
 
@@ -48,6 +49,7 @@ class RequestSpec(_Wire):
     tenant: str = "default"
     session: str | None = None
     priority: int = 0  # 0 interactive; higher numbers wait behind lower ones
+    deadline_s: float | None = None  # seconds after arrival by which the first token is due
 
 
 # --- ingress -> scheduler (request/reply on SUBMIT) -------------------------------
@@ -128,7 +130,15 @@ class DecodeTask(_Wire, tag="decode"):
     usage: PromptUsage
 
 
-WorkerTask = PrefillTask | DecodeTask
+class LocalTask(_Wire, tag="local"):
+    """Prefill and decode on one worker: a short uncached prompt is cheaper to compute
+    where it will be decoded than to hand over (conditional disaggregation)."""
+
+    spec: RequestSpec
+    queued_s: float
+
+
+WorkerTask = PrefillTask | DecodeTask | LocalTask
 
 
 class TaskAck(_Wire):
@@ -184,6 +194,47 @@ class WorkerLeaving(_Wire, tag="leaving"):
 WorkerEvent = LoadReport | PrefillDone | PrefillFailed | RequestFinished | WorkerLeaving
 
 
+# --- KV cache events: workers -> scheduler (publish on KV_EVENTS) --------------------
+
+
+class BlocksStored(_Wire, tag="stored"):
+    keys: list[int]  # chained block keys, in prompt order
+    tier: Tier = "device"
+
+
+class BlocksRemoved(_Wire, tag="removed"):
+    keys: list[int]
+    tier: Tier = "device"
+
+
+class AllBlocksCleared(_Wire, tag="cleared"):
+    pass
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
+
+
+class KvEventBatch(_Wire):
+    """A worker's cache changes. ``seq`` counts batches per worker from 1; a receiver that
+    sees a gap asks for a ``KvSnapshot`` instead of guessing."""
+
+    worker_id: str
+    seq: int
+    events: list[KvEvent]
+
+
+class KvSnapshotRequest(_Wire):
+    scheduler_id: str
+
+
+class KvSnapshot(_Wire):
+    """Everything a worker's cache holds, as of batch ``seq`` (later batches apply on top)."""
+
+    worker_id: str
+    seq: int
+    blocks: dict[str, list[int]]  # tier -> keys
+
+
 class RollCall(_Wire):
     """The scheduler asks every worker to report now (it has just started)."""
 
@@ -230,7 +281,9 @@ __all__ = [
     "BlockKey", "Role", "FinishReason", "RejectReason", "SamplingParams", "RequestSpec",
     "SubmitRequest", "StatusRequest", "SchedulerRequest", "Admitted", "Rejected",
     "WorkerSummary", "ClusterStatus", "SchedulerReply", "SimKvHandle", "KvHandle",
-    "PromptUsage", "PrefillTask", "DecodeTask", "WorkerTask", "TaskAck", "LoadReport",
+    "PromptUsage", "PrefillTask", "DecodeTask", "LocalTask", "WorkerTask", "TaskAck", "LoadReport",
+    "Tier", "BlocksStored", "BlocksRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch",
+    "KvSnapshotRequest", "KvSnapshot",
     "PrefillDone", "PrefillFailed", "RequestFinished", "WorkerLeaving", "WorkerEvent",
     "RollCall", "Cancel", "StreamError", "StreamChunk", "StreamBatch",
 ]

@@ -17,6 +17,8 @@ CANCEL = f"{ROOT}.cancel"
 WORKER_EVENTS = f"{ROOT}.sched.events"
 # scheduler -> workers, publish: a request for every worker to report at once (scheduler start)
 ROLL_CALL = f"{ROOT}.sched.rollcall"
+# workers -> scheduler(s), publish: KvEventBatch (what each worker's KV cache holds)
+KV_EVENTS = f"{ROOT}.kv.events"
 # queue group of the scheduler subscribers; one scheduler answers each submit
 SCHEDULER_QUEUE = "scheduler"
 
@@ -24,6 +26,11 @@ SCHEDULER_QUEUE = "scheduler"
 def worker_tasks(worker_id: str) -> str:
     """scheduler -> one worker, request/reply: WorkerTask -> TaskAck."""
     return f"{ROOT}.worker.{worker_id}.tasks"
+
+
+def kv_snapshot(worker_id: str) -> str:
+    """scheduler -> one worker, request/reply: KvSnapshotRequest -> KvSnapshot."""
+    return f"{ROOT}.worker.{worker_id}.kvsnapshot"
 
 
 def stream(ingress_id: str) -> str:

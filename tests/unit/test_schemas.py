@@ -23,7 +23,7 @@ SPEC = m.RequestSpec(
     request_id="r-42", ingress_id="ing-7", model="sim-tiny", prompt_tokens=[5, 6, 7, 8, 9],
     block_size=4, block_keys=[2**63 + 11],
     sampling=m.SamplingParams(max_tokens=17, temperature=0.25, top_p=0.5, seed=1234),
-    tenant="acme", session="sess-1", priority=3,
+    tenant="acme", session="sess-1", priority=3, deadline_s=2.5,
 )
 HANDLE = m.SimKvHandle(worker_id="p-1", block_keys=[2**64 - 1, 3], num_tokens=5)
 USAGE = m.PromptUsage(prompt_tokens=5, cached_tokens=4, queued_s=0.125, prefill_s=0.5)
@@ -41,6 +41,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
     ("prefill_task", codec.WORKER_TASK, m.PrefillTask(spec=SPEC, queued_s=0.75)),
     ("decode_task", codec.WORKER_TASK,
      m.DecodeTask(spec=SPEC, handle=HANDLE, first_token=777, usage=USAGE)),
+    ("local_task", codec.WORKER_TASK, m.LocalTask(spec=SPEC, queued_s=0.25)),
     ("task_ack", codec.TASK_ACK, m.TaskAck(request_id="r-42", accepted=True, reason="fine")),
     ("load", codec.WORKER_EVENT, m.LoadReport(
         worker_id="p-1", role="decode", seq=9, engine="sim", model="sim-tiny", block_size=32,
@@ -54,6 +55,12 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
      m.RequestFinished(worker_id="d-1", request_id="r-42", generated_tokens=17, reason="stop")),
     ("leaving", codec.WORKER_EVENT, m.WorkerLeaving(worker_id="d-1")),
     ("roll_call", codec.ROLL_CALL, m.RollCall(scheduler_id="sched-1")),
+    ("kv_events", codec.KV_EVENTS, m.KvEventBatch(worker_id="p-1", seq=7, events=[
+        m.BlocksStored(keys=[1, 2**64 - 1], tier="host"), m.BlocksRemoved(keys=[3], tier="disk"),
+        m.AllBlocksCleared()])),
+    ("kv_snapshot_request", codec.KV_SNAPSHOT_REQUEST, m.KvSnapshotRequest(scheduler_id="sched-2")),
+    ("kv_snapshot", codec.KV_SNAPSHOT,
+     m.KvSnapshot(worker_id="p-1", seq=7, blocks={"device": [1, 2], "cluster": [3]})),
     ("cancel", codec.CANCEL, m.Cancel(request_id="r-42", reason="deadline")),
     ("stream_batch", codec.STREAM_BATCH, m.StreamBatch(sender="d-1", chunks=[
         m.StreamChunk(request_id="r-42", seq=3, token_ids=[1, 2], finish_reason="length",
@@ -130,7 +137,7 @@ def test_old_decoder_skips_an_unknown_appended_field() -> None:
 
 
 def test_old_decoder_skips_unknown_fields_nested_and_untagged() -> None:
-    spec = msgspec.to_builtins(SPEC) | {"deadline_s": 3.5}
+    spec = msgspec.to_builtins(SPEC) | {"expires_at": 3.5}
     spec["sampling"] |= {"min_p": 0.1}
     data = msgspec.msgpack.encode({"type": "submit", "spec": spec, "trace": {"a": [1, 2]}})
     assert codec.SCHEDULER_REQUEST.decode(data) == m.SubmitRequest(spec=SPEC)
