@@ -17,6 +17,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_dispatch_attempts: int = 3
     # A session stays bound to the prefill worker that served it this long.
     session_ttl_s: float = 600.0
+    # (key, worker) pairs the global prefix index keeps at most (about 100 bytes each).
+    index_max_entries: int = 4_000_000
 
     def __post_init__(self) -> None:
         if self.max_queued_tokens <= 0:

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from scheduler.config import SchedulerConfig
+from scheduler.index import PrefixIndex
 from scheduler.placement import pick_decode, pick_prefill
 from scheduler.state import Tracked, WorkerState
 from schemas import (
     Admitted,
     ClusterStatus,
     DecodeTask,
+    KvEventBatch,
+    KvSnapshot,
     LoadReport,
     PrefillDone,
     PrefillFailed,
@@ -54,7 +57,14 @@ class FailStream:
     error: StreamError
 
 
-Action = Dispatch | FailStream
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """Ask a worker for everything its KV cache holds (it joined, or its events had a gap)."""
+
+    worker_id: str
+
+
+Action = Dispatch | FailStream | RequestSnapshot
 DispatchOutcome = Literal["refused", "no_responders", "timeout"]
 
 
@@ -71,6 +81,8 @@ class SchedulerCore:
         self._sessions: dict[str, tuple[str, float]] = {}  # session -> (worker, expires_at)
         self._arrivals = 0
         self._prefill_rate = config.default_prefill_tokens_per_s  # per worker, EWMA
+        self.index = PrefixIndex(config.index_max_entries)
+        self._snapshots_asked: set[str] = set()
 
     # --- inputs ------------------------------------------------------------------
 
@@ -105,6 +117,29 @@ class SchedulerCore:
             case WorkerLeaving():
                 return self._remove_worker(event.worker_id, now)
         raise AssertionError(f"unhandled event {event!r}")
+
+    def on_kv_events(self, batch: KvEventBatch, now: float) -> list[Action]:
+        """A worker's cache changed. A gap in its seq means we missed some: resync."""
+        if self.index.apply(batch):
+            return []
+        return self._ask_snapshot(batch.worker_id)
+
+    def on_kv_snapshot(self, snapshot: KvSnapshot, now: float) -> list[Action]:
+        self._snapshots_asked.discard(snapshot.worker_id)
+        if snapshot.worker_id in self.workers:
+            self.index.load_snapshot(snapshot)
+        return []
+
+    def on_snapshot_failed(self, worker_id: str, now: float) -> list[Action]:
+        """The worker did not answer for its snapshot: ask again on its next event."""
+        self._snapshots_asked.discard(worker_id)
+        return []
+
+    def _ask_snapshot(self, worker_id: str) -> list[Action]:
+        if worker_id not in self.workers or worker_id in self._snapshots_asked:
+            return []
+        self._snapshots_asked.add(worker_id)
+        return [RequestSnapshot(worker_id)]
 
     def on_cancel(self, request_id: str, now: float) -> list[Action]:
         """The client went away; the workers heard the same cancel and stop on their own."""
@@ -296,6 +331,7 @@ class SchedulerCore:
                                  token_budget=report.token_budget, block_size=report.block_size,
                                  last_seen=now)
             self.workers[report.worker_id] = worker
+            actions += self._ask_snapshot(report.worker_id)  # a full dump when a worker joins
         worker.token_budget, worker.last_seen = report.token_budget, now
         worker.last_seq = report.seq
         return actions + self._drain_decode(now) + self._drain_prefill(now)
@@ -309,6 +345,8 @@ class SchedulerCore:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return []
+        self.index.forget_worker(worker_id)
+        self._snapshots_asked.discard(worker_id)
         actions: list[Action] = []
         for rid in list(worker.assigned):
             actions += self._retry_or_fail(self.requests[rid], "worker_lost", now)

@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from observability import tracing
 from observability.bus import BusStats, connect, subscribe
 from scheduler.config import SchedulerConfig
-from scheduler.core import Action, Dispatch, DispatchOutcome, FailStream, SchedulerCore
+from scheduler.core import Action, Dispatch, DispatchOutcome, FailStream, RequestSnapshot, SchedulerCore
 from schemas import (
     Cancel,
     RollCall,
@@ -171,6 +171,8 @@ class SchedulerService:
                     await self._dispatch(action)
                 case FailStream():
                     await self._fail_stream(action)
+                case RequestSnapshot():
+                    pass  # KV snapshots: being wired (the index is a placeholder until then)
 
     async def _dispatch(self, action: Dispatch) -> None:
         assert self._nc is not None
