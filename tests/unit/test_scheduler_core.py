@@ -22,7 +22,7 @@ from factories import (
     request_finished,
     worker_leaving,
 )
-from scheduler import Dispatch, FailStream, SchedulerConfig, SchedulerCore
+from scheduler import Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
 from schemas import Admitted, DecodeTask, PrefillTask, Rejected, RequestSpec, WorkerEvent
 
 
@@ -33,6 +33,7 @@ class Harness:
         self.core = SchedulerCore(SchedulerConfig(**config))
         self.clock = FakeClock()
         self._seqs: dict[str, int] = {}
+        self.snapshots_asked: list[str] = []
 
     def check(self) -> None:
         self.core.check_invariants()
@@ -58,7 +59,9 @@ class Harness:
         if seq is None:
             seq = self._seqs.get(worker_id, 0) + 1
         self._seqs[worker_id] = seq
-        return self.event(load_report(worker_id, role, budget=budget, seq=seq))  # type: ignore[arg-type]
+        actions = self.event(load_report(worker_id, role, budget=budget, seq=seq))  # type: ignore[arg-type]
+        self.snapshots_asked += [a.worker_id for a in actions if isinstance(a, RequestSnapshot)]
+        return [a for a in actions if not isinstance(a, RequestSnapshot)]
 
     def cancel(self, request_id: str) -> list:
         actions = self.core.on_cancel(request_id, self.clock.now)
@@ -834,3 +837,10 @@ def test_a_refused_dispatch_is_retried_at_once() -> None:
     (rid, first), = dispatched(h.admit(spec))
     actions = h.dispatch_failed(first, "r", "refused")
     assert len(dispatched(actions)) == 1 and failures(actions) == []
+
+
+def test_a_joining_worker_is_asked_for_its_kv_snapshot_once() -> None:
+    h = Harness()
+    h.report("p1", "prefill")
+    h.report("p1", "prefill")
+    assert h.snapshots_asked == ["p1"]
