@@ -19,6 +19,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     session_ttl_s: float = 600.0
     # (key, worker) pairs the global prefix index keeps at most (about 100 bytes each).
     index_max_entries: int = 4_000_000
+    # Prefill placement policy: round_robin, least_requests, least_tokens, prefix, switchyard.
+    policy: str = "switchyard"
+    # A block on a worker's host/disk tier or in the cluster store saves this share of
+    # recomputing it (fetching is not free).
+    fetch_credit: float = 0.8
+    # A session goes back to its worker only while that worker stays under this share
+    # of its token budget; past it, the request spills to the policy.
+    session_max_load: float = 0.8
+    # Conditional disaggregation: a prompt with at most this many uncached tokens is
+    # prefilled by its decode worker (0: never).
+    local_prefill_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_queued_tokens <= 0:
@@ -27,3 +38,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("worker_expiry_s must be positive")
         if self.max_dispatch_attempts < 1:
             raise ValueError("max_dispatch_attempts must be at least 1")
+        if not 0.0 <= self.fetch_credit <= 1.0:
+            raise ValueError("fetch_credit must be within [0, 1]")
+        if self.session_max_load <= 0 or self.local_prefill_max_tokens < 0:
+            raise ValueError("session_max_load must be positive, local_prefill_max_tokens not negative")
+        from scheduler.policies import POLICIES  # here, not at import: policies imports state only
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(sorted(POLICIES))}")

@@ -1,27 +1,30 @@
 """The scheduler's decisions: a pure, synchronous state machine.
 
-Events in (a submit, a worker's heartbeat or result, a cancel, a dispatch that failed,
-the passing of time), actions out (dispatch a task to a worker, fail a stream). Time
-is passed in; nothing here does I/O, so the policy is tested with a fake clock and a
-benchmark can replay a trace through the very same code.
+Events in (a submit, a worker's heartbeat, result or cache change, a cancel, a
+dispatch that failed, the passing of time), actions out (dispatch a task, fail a
+stream, ask a worker for its cache, persist a session binding). Time is passed in;
+nothing here does I/O, so policies are tested with a fake clock and a discrete-event
+benchmark replays whole traces through this very code.
 
 Life of a request: queued -> prefill -> awaiting_decode -> decode -> (gone).
-A request whose prefill worker is lost before it finished prefill is queued again
-(nothing but possibly the first token has reached the client, and the ingress drops a
-repeated seq 0); one whose decode worker is lost fails with ``worker_lost``: its
-tokens so far came from sampling we cannot replay.
+A request placed on a ``both`` (colocated) worker, or sent as a ``LocalTask`` to a
+decode worker, goes from prefill to decode on the same worker with no handoff.
+A request whose worker is lost before prefill finished is queued again (at most the
+first token reached the client, and the ingress drops a repeated seq 0); one lost in
+decode fails with ``worker_lost``: its tokens so far came from sampling we cannot replay.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from scheduler.config import SchedulerConfig
 from scheduler.index import PrefixIndex
-from scheduler.placement import pick_decode, pick_prefill
+from scheduler.placement import Placement, Placer
+from scheduler.queue import FairQueue
+from scheduler.sessions import Binding, SessionTable
 from scheduler.state import Tracked, WorkerState
 from schemas import (
     Admitted,
@@ -30,6 +33,7 @@ from schemas import (
     KvEventBatch,
     KvSnapshot,
     LoadReport,
+    LocalTask,
     PrefillDone,
     PrefillFailed,
     PrefillTask,
@@ -64,8 +68,17 @@ class RequestSnapshot:
     worker_id: str
 
 
-Action = Dispatch | FailStream | RequestSnapshot
+@dataclass(frozen=True)
+class BindSession:
+    """A session binding changed: persist it, so it outlives this scheduler."""
+
+    binding: Binding
+
+
+Action = Dispatch | FailStream | RequestSnapshot | BindSession
 DispatchOutcome = Literal["refused", "no_responders", "timeout"]
+
+_RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate sample
 
 
 class SchedulerCore:
@@ -73,15 +86,12 @@ class SchedulerCore:
         self.config = config
         self.workers: dict[str, WorkerState] = {}
         self.requests: dict[str, Tracked] = {}
-        # (priority, 0 for re-queued else 1, arrival order, request_id), kept sorted: within a
-        # priority, requests that lost their worker go first, each group in arrival order.
-        self._queue: list[tuple[int, int, int, str]] = []
-        self._queued_tokens = 0
-        self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
-        self._sessions: dict[str, tuple[str, float]] = {}  # session -> (worker, expires_at)
-        self._arrivals = 0
-        self._prefill_rate = config.default_prefill_tokens_per_s  # per worker, EWMA
         self.index = PrefixIndex(config.index_max_entries)
+        self.sessions = SessionTable(config.session_ttl_s)
+        self.placer = Placer(config, self.index)
+        self._queue = FairQueue()
+        self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
+        self._arrivals = 0
         self._snapshots_asked: set[str] = set()
 
     # --- inputs ------------------------------------------------------------------
@@ -93,9 +103,11 @@ class SchedulerCore:
         self._arrivals += 1
         tracked = Tracked(spec=spec, enqueued_at=now, order=self._arrivals)
         self.requests[spec.request_id] = tracked
-        self._enqueue(tracked)
+        self._queue.push(tracked)
+        tracked.phase = "queued"
         actions = self._drain_prefill(now)
-        return Admitted(request_id=spec.request_id, queue_position=self._position(spec)), actions
+        position = self._queue.position(tracked) if tracked.phase == "queued" else 0
+        return Admitted(request_id=spec.request_id, queue_position=position), actions
 
     def on_event(self, event: WorkerEvent, now: float) -> list[Action]:
         match event:
@@ -113,7 +125,7 @@ class SchedulerCore:
                 if tracked is None or tracked.worker_id != event.worker_id:
                     return []  # stale: from an attempt that is no longer the request's
                 self._forget(event.request_id)
-                return self._drain_decode(now) + self._drain_prefill(now)
+                return self._drain(now)
             case WorkerLeaving():
                 return self._remove_worker(event.worker_id, now)
         raise AssertionError(f"unhandled event {event!r}")
@@ -135,16 +147,14 @@ class SchedulerCore:
         self._snapshots_asked.discard(worker_id)
         return []
 
-    def _ask_snapshot(self, worker_id: str) -> list[Action]:
-        if worker_id not in self.workers or worker_id in self._snapshots_asked:
-            return []
-        self._snapshots_asked.add(worker_id)
-        return [RequestSnapshot(worker_id)]
+    def restore_session(self, binding: Binding, now: float) -> None:
+        """A binding persisted by an earlier scheduler."""
+        self.sessions.restore(binding, now)
 
     def on_cancel(self, request_id: str, now: float) -> list[Action]:
         """The client went away; the workers heard the same cancel and stop on their own."""
         self._forget(request_id)
-        return self._drain_decode(now) + self._drain_prefill(now)
+        return self._drain(now)
 
     def on_dispatch_failed(self, worker_id: str, request_id: str, outcome: DispatchOutcome,
                            now: float) -> list[Action]:
@@ -164,15 +174,15 @@ class SchedulerCore:
             actions = self._retry_or_fail(tracked, "dispatch_failed", now)
         if outcome != "refused":
             actions += self._remove_worker(worker_id, now)
-        return actions + self._drain_decode(now) + self._drain_prefill(now)
+        return actions + self._drain(now)
 
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         for worker in list(self.workers.values()):
             if now - worker.last_seen > self.config.worker_expiry_s:
                 actions += self._remove_worker(worker.worker_id, now)
-        self._sessions = {s: b for s, b in self._sessions.items() if b[1] > now}
-        return actions + self._drain_decode(now) + self._drain_prefill(now)
+        self.sessions.expire(now)
+        return actions + self._expire_deadlines(now) + self._drain(now)
 
     # --- queries -----------------------------------------------------------------
 
@@ -182,22 +192,22 @@ class SchedulerCore:
                           running=len(w.assigned))
             for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
         ]
-        return ClusterStatus(workers=workers, queued_requests=len(self._queue),
-                             queued_tokens=self._queued_tokens)
+        return ClusterStatus(workers=workers, queued_requests=len(self._queue), queued_tokens=self._queue.tokens)
 
     def predicted_wait_s(self) -> float:
         """Time for the prefill fleet to work off what is queued and in flight."""
-        prefill = [w for w in self.workers.values() if w.role == "prefill"]
-        backlog = self._queued_tokens + sum(w.load_tokens for w in prefill)
-        return backlog / (self._prefill_rate * max(1, len(prefill)))
+        prefill = [w for w in self.workers.values() if w.role != "decode"]
+        backlog = self._queue.tokens + sum(w.load_tokens for w in prefill)
+        rate = sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s
+        return backlog / rate
 
     def check_invariants(self) -> None:
         for worker in self.workers.values():
             assert worker.load_tokens == sum(worker.assigned.values()), worker.worker_id
             for rid in worker.assigned:
                 assert self.requests[rid].worker_id == worker.worker_id, rid
-        queued = [entry[-1] for entry in self._queue]
-        assert self._queued_tokens == sum(self.requests[r].prompt_tokens for r in queued)
+        queued = self._queue.request_ids()
+        assert self._queue.tokens == sum(self.requests[r].prompt_tokens for r in queued)
         assert all(self.requests[r].phase == "queued" for r in queued)
         assert all(self.requests[r].phase == "awaiting_decode" for r in self._decode_wait)
 
@@ -208,76 +218,85 @@ class SchedulerCore:
         if rid in self.requests:
             return Rejected(request_id=rid, reason="invalid", message=f"duplicate request id {rid}")
         roles = {w.role for w in self.workers.values()}
-        if roles != {"prefill", "decode"}:
-            missing = " and ".join(sorted({"prefill", "decode"} - roles))
+        missing = [need for need, able in (("prefill", {"prefill", "both"}), ("decode", {"decode", "both"}))
+                   if not roles & able]
+        if missing:
             return Rejected(request_id=rid, reason="no_workers", retry_after_s=1.0,
-                            message=f"no {missing} worker is available")
+                            message=f"no {' and '.join(missing)} worker is available")
         tokens = len(spec.prompt_tokens)
-        if self._queue and self._queued_tokens + tokens > self.config.max_queued_tokens:
-            wait = max(1.0, math.ceil(self.predicted_wait_s()))
-            return Rejected(request_id=rid, reason="overloaded", retry_after_s=wait,
-                            message=f"{self._queued_tokens} prompt tokens are already queued; "
-                                    f"retry in about {wait:.0f} s")
+        if len(self._queue) and self._queue.tokens + tokens > self.config.max_queued_tokens:
+            return self._overloaded(rid, f"{self._queue.tokens} prompt tokens are already queued")
+        if spec.deadline_s is not None and len(self._queue) and self.predicted_wait_s() > spec.deadline_s:
+            return self._overloaded(rid, f"the predicted wait exceeds the deadline of {spec.deadline_s:.1f} s")
         return None
+
+    def _overloaded(self, rid: str, why: str) -> Rejected:
+        wait = max(1.0, math.ceil(self.predicted_wait_s()))
+        return Rejected(request_id=rid, reason="overloaded", retry_after_s=wait,
+                        message=f"{why}; retry in about {wait:.0f} s")
+
+    def _expire_deadlines(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for rid in self._queue.request_ids():
+            tracked = self.requests[rid]
+            deadline = tracked.spec.deadline_s
+            if deadline is not None and now - tracked.enqueued_at > deadline:
+                self._forget(rid)
+                error = StreamError(code="deadline_exceeded",
+                                    message=f"request {rid} waited past its deadline of {deadline:.1f} s")
+                actions.append(FailStream(tracked.spec.ingress_id, rid, error))
+        return actions
 
     # --- prefill -------------------------------------------------------------------
 
-    def _enqueue(self, tracked: Tracked, front: bool = False) -> None:
-        tracked.requeued = front
-        bisect.insort(self._queue, self._queue_key(tracked))
-        tracked.phase, tracked.worker_id = "queued", None
-        self._queued_tokens += tracked.prompt_tokens
-
-    @staticmethod
-    def _queue_key(tracked: Tracked) -> tuple[int, int, int, str]:
-        return (tracked.spec.priority, 0 if tracked.requeued else 1, tracked.order, tracked.spec.request_id)
-
-    def _position(self, spec: RequestSpec) -> int:
-        tracked = self.requests[spec.request_id]
-        if tracked.phase != "queued":
-            return 0
-        return bisect.bisect_left(self._queue, self._queue_key(tracked)) + 1
+    def _drain(self, now: float) -> list[Action]:
+        return self._drain_decode(now) + self._drain_prefill(now)
 
     def _drain_prefill(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        while self._queue:
-            rid = self._queue[0][-1]
+        while (rid := self._queue.head()) is not None:
             tracked = self.requests[rid]
-            worker = pick_prefill(self.workers.values(), tracked, self._bound(tracked, now))
-            if worker is None:
-                break  # FIFO within a priority: the head waits, nobody jumps it
-            self._queue.pop(0)
-            self._queued_tokens -= tracked.prompt_tokens
-            actions.append(self._place_prefill(tracked, worker, now))
+            placement = self.placer.prefill(tracked, self.workers.values(), self._bound(tracked, now))
+            if placement is None:
+                break  # the head waits; nobody jumps it
+            self._queue.pop_head(tracked)
+            actions += self._place_prefill(tracked, placement, now)
         return actions
 
-    def _place_prefill(self, tracked: Tracked, worker: WorkerState, now: float) -> Dispatch:
-        worker.assign(tracked.spec.request_id, tracked.prompt_tokens)
-        tracked.phase, tracked.worker_id = "prefill", worker.worker_id
+    def _place_prefill(self, tracked: Tracked, placement: Placement, now: float) -> list[Action]:
+        worker, spec = placement.worker, tracked.spec
+        worker.assign(spec.request_id, placement.tokens)
+        tracked.phase, tracked.worker_id, tracked.local = "prefill", worker.worker_id, placement.kind == "local"
         tracked.attempts += 1
-        if tracked.spec.session is not None:
-            self._sessions[tracked.spec.session] = (worker.worker_id, now + self.config.session_ttl_s)
-        task = PrefillTask(spec=tracked.spec, queued_s=max(0.0, now - tracked.enqueued_at))
-        return Dispatch(worker.worker_id, task)
+        queued_s = max(0.0, now - tracked.enqueued_at)
+        task = LocalTask(spec=spec, queued_s=queued_s) if tracked.local else PrefillTask(spec=spec, queued_s=queued_s)
+        actions: list[Action] = [Dispatch(worker.worker_id, task)]
+        if spec.session is not None and not tracked.local:
+            actions.append(BindSession(self.sessions.bind(spec.tenant, spec.session, worker.worker_id, now)))
+        return actions
 
     def _bound(self, tracked: Tracked, now: float) -> str | None:
-        session = tracked.spec.session
-        binding = self._sessions.get(session) if session is not None else None
-        return binding[0] if binding is not None and binding[1] > now else None
+        spec = tracked.spec
+        return self.sessions.lookup(spec.tenant, spec.session, now) if spec.session is not None else None
 
     def _on_prefill_done(self, done: PrefillDone, now: float) -> list[Action]:
         tracked = self.requests.get(done.request_id)
         if tracked is None or tracked.phase != "prefill" or tracked.worker_id != done.worker_id:
             return []  # cancelled meanwhile, or a stale result of a retried attempt
-        self.workers[done.worker_id].release(done.request_id)
-        self._learn_rate(done)
+        worker = self.workers[done.worker_id]
+        worker.release(done.request_id)
+        self._learn_rate(worker, done)
         if done.finished:
             self._forget(done.request_id)
             return self._drain_prefill(now)
-        tracked.phase, tracked.worker_id, tracked.prefill = "awaiting_decode", None, done
-        tracked.attempts = 0
+        tracked.prefill, tracked.attempts = done, 0
+        if tracked.local or worker.role == "both":
+            worker.assign(done.request_id, tracked.decode_tokens)  # decodes where it prefilled
+            tracked.phase = "decode"
+            return self._drain_prefill(now)
+        tracked.phase, tracked.worker_id = "awaiting_decode", None
         self._decode_wait.append(done.request_id)
-        return self._drain_decode(now) + self._drain_prefill(now)
+        return self._drain(now)
 
     def _on_prefill_failed(self, failed: PrefillFailed, now: float) -> list[Action]:
         tracked = self.requests.get(failed.request_id)
@@ -286,12 +305,14 @@ class SchedulerCore:
         self._forget(failed.request_id)
         error = StreamError(code="prefill_failed", message=failed.message)
         failure: list[Action] = [FailStream(tracked.spec.ingress_id, failed.request_id, error)]
-        return failure + self._drain_decode(now) + self._drain_prefill(now)
+        return failure + self._drain(now)
 
-    def _learn_rate(self, done: PrefillDone) -> None:
+    @staticmethod
+    def _learn_rate(worker: WorkerState, done: PrefillDone) -> None:
         computed = done.usage.prompt_tokens - done.usage.cached_tokens
         if computed > 0 and done.usage.prefill_s > 0:
-            self._prefill_rate = 0.8 * self._prefill_rate + 0.2 * computed / done.usage.prefill_s
+            sample = computed / done.usage.prefill_s
+            worker.prefill_rate = (1 - _RATE_WEIGHT) * worker.prefill_rate + _RATE_WEIGHT * sample
 
     # --- decode ---------------------------------------------------------------------
 
@@ -299,7 +320,7 @@ class SchedulerCore:
         actions: list[Action] = []
         while self._decode_wait:
             tracked = self.requests[self._decode_wait[0]]
-            worker = pick_decode(self.workers.values(), tracked)
+            worker = self.placer.decode(tracked, self.workers.values())
             if worker is None:
                 break
             self._decode_wait.pop(0)
@@ -329,12 +350,18 @@ class SchedulerCore:
         if worker is None:
             worker = WorkerState(worker_id=report.worker_id, role=report.role,
                                  token_budget=report.token_budget, block_size=report.block_size,
-                                 last_seen=now)
+                                 last_seen=now, prefill_rate=self.config.default_prefill_tokens_per_s)
             self.workers[report.worker_id] = worker
             actions += self._ask_snapshot(report.worker_id)  # a full dump when a worker joins
         worker.token_budget, worker.last_seen = report.token_budget, now
         worker.last_seq = report.seq
-        return actions + self._drain_decode(now) + self._drain_prefill(now)
+        return actions + self._drain(now)
+
+    def _ask_snapshot(self, worker_id: str) -> list[Action]:
+        if worker_id not in self.workers or worker_id in self._snapshots_asked:
+            return []
+        self._snapshots_asked.add(worker_id)
+        return [RequestSnapshot(worker_id)]
 
     def _touch(self, worker_id: str, now: float) -> None:
         worker = self.workers.get(worker_id)
@@ -346,19 +373,21 @@ class SchedulerCore:
         if worker is None:
             return []
         self.index.forget_worker(worker_id)
+        self.sessions.forget_worker(worker_id)
         self._snapshots_asked.discard(worker_id)
         actions: list[Action] = []
         for rid in list(worker.assigned):
             actions += self._retry_or_fail(self.requests[rid], "worker_lost", now)
-        return actions + self._drain_decode(now) + self._drain_prefill(now)
+        return actions + self._drain(now)
 
     def _retry_or_fail(self, tracked: Tracked, code: str, now: float) -> list[Action]:
         rid = tracked.spec.request_id
         can_retry = tracked.attempts < self.config.max_dispatch_attempts
         if tracked.phase == "prefill" and can_retry:
-            self._enqueue(tracked, front=True)
+            self._queue.push(tracked, front=True)
+            tracked.phase, tracked.worker_id, tracked.local = "queued", None, False
             return []
-        if tracked.phase == "decode" and code == "dispatch_failed" and can_retry:
+        if tracked.phase == "decode" and code == "dispatch_failed" and can_retry and not tracked.local:
             tracked.phase, tracked.worker_id = "awaiting_decode", None
             self._decode_wait.insert(0, rid)  # no token of decode was produced yet
             return []
@@ -373,7 +402,6 @@ class SchedulerCore:
         if tracked.worker_id is not None and tracked.worker_id in self.workers:
             self.workers[tracked.worker_id].release(request_id)
         if tracked.phase == "queued":
-            self._queue.remove(self._queue_key(tracked))
-            self._queued_tokens -= tracked.prompt_tokens
+            self._queue.remove(tracked)
         elif tracked.phase == "awaiting_decode":
             self._decode_wait.remove(request_id)

@@ -1,43 +1,77 @@
-"""Placement: pick a worker for a phase of a request. Pure functions of the state.
+"""Placement: which worker takes the next phase of a request. Pure functions of state.
 
-One cost, lower is better: the tokens the worker already holds for us (its ledger).
-Prefill spends them as compute, decode as KV memory. A session bound to a worker
-goes back to it while that worker has room, so its prefix is found warm.
+Prefill: the candidates are the prefill-capable workers (role ``prefill`` or ``both``)
+within their budget for this prompt's *uncached* tokens there; a session bound to one
+of them goes back to it while that worker stays under ``session_max_load`` of its
+budget; otherwise the configured policy chooses. Conditional disaggregation comes
+first: a prompt whose uncached part on some decode worker is at most
+``local_prefill_max_tokens`` is prefilled by that decode worker itself (no handoff).
+
+Decode: the decode worker holding the fewest KV tokens against its capacity.
 """
 
 from __future__ import annotations
 
-import logging
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
 
+from scheduler.config import SchedulerConfig
+from scheduler.index import PrefixIndex
+from scheduler.policies import PlacementView, decode_cost, make_policy
 from scheduler.state import Tracked, WorkerState
 
-log = logging.getLogger(__name__)
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    worker: WorkerState
+    kind: Literal["prefill", "local"]
+    tokens: int  # what the worker's ledger holds for the request
 
 
-def pick_prefill(
-    workers: Iterable[WorkerState], request: Tracked, bound_worker: str | None
-) -> WorkerState | None:
-    fitting = [w for w in workers if w.role == "prefill" and w.fits(request.prompt_tokens)]
-    for worker in fitting:
-        if worker.worker_id == bound_worker:
-            return worker
-    return _cheapest(fitting, request)
+class Placer:
+    def __init__(self, config: SchedulerConfig, index: PrefixIndex) -> None:
+        self.config = config
+        self.index = index
+        self.policy = make_policy(config.policy)
 
+    def prefill(self, request: Tracked, workers: Iterable[WorkerState], bound_worker: str | None) -> Placement | None:
+        workers = list(workers)
+        view = PlacementView(matches=self.index.match(request.spec.block_keys), block_size=request.spec.block_size,
+                             prefill_rate=lambda w: w.prefill_rate, fetch_credit=self.config.fetch_credit)
+        local = self._local(request, workers, view)
+        if local is not None:
+            return local
+        need = {w.worker_id: self._compute_tokens(w, request, view) for w in workers if w.role != "decode"}
+        fitting = [w for w in workers if w.worker_id in need and w.fits(need[w.worker_id])]
+        if not fitting:
+            return None
+        chosen = self._bound(fitting, bound_worker, need) or self.policy.choose(request, fitting, view)
+        return Placement(chosen, "prefill", need[chosen.worker_id])
 
-def pick_decode(workers: Iterable[WorkerState], request: Tracked) -> WorkerState | None:
-    fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)]
-    return _cheapest(fitting, request)
+    def decode(self, request: Tracked, workers: Iterable[WorkerState]) -> WorkerState | None:
+        fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)]
+        return min(fitting, key=decode_cost) if fitting else None
 
-
-def _cheapest(candidates: list[WorkerState], request: Tracked) -> WorkerState | None:
-    if not candidates:
+    def _bound(self, fitting: list[WorkerState], bound_worker: str | None, need: dict[str, int]) -> WorkerState | None:
+        for worker in fitting:
+            if worker.worker_id == bound_worker:
+                after = worker.load_tokens + need[worker.worker_id]
+                return worker if after <= self.config.session_max_load * worker.token_budget else None
         return None
-    best = min(candidates, key=lambda w: (w.load_tokens, w.worker_id))
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug(
-            "place %s on %s: load_tokens=%d budget=%d (of %d candidates)",
-            request.spec.request_id, best.worker_id, best.load_tokens, best.token_budget,
-            len(candidates),
-        )
-    return best
+
+    def _local(self, request: Tracked, workers: list[WorkerState], view: PlacementView) -> Placement | None:
+        limit = self.config.local_prefill_max_tokens
+        if limit <= 0:
+            return None
+        fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)
+                   and view.uncached_tokens(w, request) <= limit]
+        if not fitting:
+            return None
+        return Placement(min(fitting, key=decode_cost), "local", request.decode_tokens)
+
+    @staticmethod
+    def _compute_tokens(worker: WorkerState, request: Tracked, view: PlacementView) -> int:
+        # At least one: even a fully cached prompt computes its last token.
+        return max(1, math.ceil(view.uncached_tokens(worker, request)))

@@ -13,7 +13,7 @@ from typing import Literal
 
 from schemas import PrefillDone, RequestSpec, Role
 
-Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]
+Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]  # "prefill" covers a local task too
 
 
 @dataclass
@@ -26,6 +26,7 @@ class WorkerState:
     last_seq: int = -1
     assigned: dict[str, int] = field(default_factory=dict)  # request_id -> tokens
     load_tokens: int = 0
+    prefill_rate: float = 8_000.0  # uncached tokens/s it computes, learned from its results
 
     def assign(self, request_id: str, tokens: int) -> None:
         assert request_id not in self.assigned, request_id
@@ -49,6 +50,8 @@ class Tracked:
     worker_id: str | None = None
     attempts: int = 0
     requeued: bool = False  # back in the queue after losing its worker: goes ahead
+    virtual_start: float | None = None  # its place in the tenants' fair queue
+    local: bool = False  # prefilled by the worker that decodes it (no handoff)
     prefill: PrefillDone | None = None  # set once prefill is done, for decode (re)placement
 
     @property

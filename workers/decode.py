@@ -19,11 +19,22 @@ import time
 from dataclasses import dataclass, field
 
 import anyio
+from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from observability import tracing
-from schemas import DecodeTask, FinishReason, RequestFinished, StreamChunk, WorkerTask
+from schemas import (
+    DecodeTask,
+    FinishReason,
+    LocalTask,
+    PrefillFailed,
+    PrefillTask,
+    RequestFinished,
+    StreamChunk,
+    WorkerTask,
+)
 from workers.engine import DecodeEngine, StepOutput
+from workers.handoff import first_token
 from workers.runtime import WorkerBus
 
 log = logging.getLogger(__name__)
@@ -49,6 +60,7 @@ class DecodeRole:
         self._streams: dict[str, _Stream] = {}
         self._unsent: dict[str, _Stream] = {}  # streams with pending tokens, in step order
         self._last_publish = 0.0
+        self._local: dict[str, tuple[LocalTask, Span]] = {}  # local prefills not yet computed
         self._wake = anyio.Event()
 
     def inflight_tokens(self) -> int:
@@ -58,19 +70,40 @@ class DecodeRole:
         return self.engine.running
 
     def offer(self, task: WorkerTask, headers: dict[str, str]) -> str | None:
+        if isinstance(task, LocalTask):
+            return self._offer_local(task, headers)
         if not isinstance(task, DecodeTask):
             return f"a decode worker takes no {type(task).__name__}"
-        need = len(task.spec.prompt_tokens) + task.spec.sampling.max_tokens
-        if self.engine.running and self.engine.held_tokens + need > self.token_budget:
+        if not self._has_room(task):
             return "no KV capacity"
-        span = tracing.tracer().start_span("worker.decode", context=tracing.extract(headers))
+        self._start(task, tracing.extract(headers))
+        return None
+
+    def _has_room(self, task: DecodeTask | LocalTask) -> bool:
+        need = len(task.spec.prompt_tokens) + task.spec.sampling.max_tokens
+        return not self.engine.running or self.engine.held_tokens + need <= self.token_budget
+
+    def _start(self, task: DecodeTask, ctx) -> None:
+        span = tracing.tracer().start_span("worker.decode", context=ctx)
         span.set_attribute("switchyard.worker_id", self.worker_id)
         self.engine.add(task)
         self._streams[task.spec.request_id] = _Stream(task.spec.ingress_id, span)
         self._wake.set()
+
+    def _offer_local(self, task: LocalTask, headers: dict[str, str]) -> str | None:
+        """Prefill here, then decode here: the next serve iteration computes it."""
+        if not self._has_room(task):
+            return "no KV capacity"
+        span = tracing.tracer().start_span("worker.local", context=tracing.extract(headers))
+        span.set_attribute("switchyard.worker_id", self.worker_id)
+        self._local[task.spec.request_id] = (task, span)
+        self._wake.set()
         return None
 
     def cancel(self, request_id: str) -> None:
+        local = self._local.pop(request_id, None)
+        if local is not None:
+            local[1].end()
         if self.engine.abort(request_id):
             stream = self._streams.pop(request_id)
             stream.span.set_attribute("switchyard.cancelled", True)
@@ -78,14 +111,41 @@ class DecodeRole:
 
     async def serve(self, bus: WorkerBus) -> None:
         while True:
-            if not self.engine.running:
+            if not self.engine.running and not self._local:
                 self._wake = anyio.Event()
                 await self._wake.wait()
+            if self._local:
+                await self._prefill_local(bus)
+            if not self.engine.running:
+                continue
             finished = self._absorb(await self.engine.step())
             now = time.monotonic()
             if finished or not self.engine.running or now - self._last_publish >= self.min_publish_interval_s:
                 self._last_publish = now
                 await self._publish(bus)
+
+    async def _prefill_local(self, bus: WorkerBus) -> None:
+        """Prefill every waiting local task in one batch; token 0 out, then into the batch."""
+        jobs, self._local = list(self._local.values()), {}
+        tasks = [PrefillTask(spec=task.spec, queued_s=task.queued_s) for task, _ in jobs]
+        try:
+            results = await self.engine.prefill(tasks)
+        except Exception as exc:  # an engine failure fails these requests, not the worker
+            log.exception("local prefill of %d failed", len(tasks))
+            for task, span in jobs:
+                span.end()
+                await bus.event(PrefillFailed(worker_id=self.worker_id, request_id=task.spec.request_id,
+                                              message=f"prefill failed: {exc}"))
+            return
+        for (task, span), prefill, result in zip(jobs, tasks, results, strict=True):
+            chunk, done = first_token(self.worker_id, prefill, result)
+            await bus.stream(task.spec.ingress_id, [chunk])
+            await bus.event(done)
+            if not done.finished:  # its room was checked when it was offered
+                decode = DecodeTask(spec=task.spec, handle=result.handle, first_token=result.first_token,
+                                    usage=done.usage)
+                self._start(decode, trace.set_span_in_context(span))
+            span.end()
 
     def _absorb(self, outputs: list[StepOutput]) -> bool:
         """Queue each output token on its stream; True when a sequence finished."""

@@ -34,7 +34,10 @@ class PrefillEngine(Protocol):
     async def prefill(self, tasks: list[PrefillTask]) -> list[PrefillResult]: ...
 
 
-class DecodeEngine(Protocol):
+class DecodeEngine(PrefillEngine, Protocol):
+    """Decodes; and prefills too, for a ``LocalTask`` (a short prompt decoded where it is
+    computed, with no handoff)."""
+
     @property
     def running(self) -> int: ...
 

@@ -152,3 +152,21 @@ async def test_a_worker_that_never_acks_times_out_and_its_prefill_is_redone(nats
         assert "mute" not in sched.core.workers
         assert (await mute.next_msg(timeout=1)).data  # the task did reach it: a timeout, not no-responders
         tg.cancel_scope.cancel()
+
+
+async def test_a_short_prompt_is_prefilled_and_decoded_by_its_decode_worker(nats):
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.5,
+                                                    core=SchedulerConfig(local_prefill_max_tokens=64)))
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        await tg.start(sched.run)
+        await tg.start(build_worker(worker_config(nats.url, "decode")).run)
+        await _register_impostor(nc, "unused-prefill")  # it would never answer: a handoff would time out
+        await _wait(lambda: len(sched.core.workers) == 2)
+        sub = await nc.subscribe(subjects.stream("ing-test"))
+        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r4", tokens=40))))
+        chunks = await _collect(sub, "r4", 4)
+        assert _positions(chunks) == [0, 1, 2, 3]
+        assert chunks[0].usage is not None and chunks[0].usage.prompt_tokens == 40
+        await _wait(lambda: not sched.core.requests)
+        assert "unused-prefill" in sched.core.workers  # never dispatched to
+        tg.cancel_scope.cancel()

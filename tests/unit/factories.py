@@ -56,6 +56,7 @@ def make_spec(
     tenant: str = "default",
     session: str | None = None,
     priority: int = 0,
+    deadline_s: float | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
@@ -75,6 +76,7 @@ def make_spec(
         tenant=tenant,
         session=session,
         priority=priority,
+        deadline_s=deadline_s,
     )
 
 

@@ -22,7 +22,7 @@ from factories import (
     request_finished,
     worker_leaving,
 )
-from scheduler import Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
+from scheduler import BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
 from schemas import Admitted, DecodeTask, PrefillTask, Rejected, RequestSpec, WorkerEvent
 
 
@@ -617,8 +617,10 @@ class RandomCluster:
             action = pending.popleft()
             if isinstance(action, FailStream):
                 self.fail(action)
-            else:
+            elif isinstance(action, Dispatch):
                 pending.extend(self.deliver(action))
+            else:  # BindSession, RequestSnapshot: bookkeeping for the service, nothing to simulate
+                assert isinstance(action, (BindSession, RequestSnapshot)), action
         for gone in [r for r in self.admitted if r not in self.outcome and r not in self.h.core.requests]:
             if op == "cancel" and gone == rid:
                 self.outcome[gone] = "cancelled"

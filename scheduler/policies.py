@@ -1,0 +1,143 @@
+"""Prefill placement policies: small classes behind one protocol, chosen by name.
+
+Each policy sees the workers that can take the request now (``candidates``: the right
+role, within their token budget) and a ``PlacementView`` of what else it may read
+(the prefix index's matches, the learned prefill rates). It returns one candidate.
+
+    round_robin     cycle through the candidates
+    least_requests  fewest requests in flight
+    least_tokens    fewest uncached prompt tokens in flight
+    prefix          longest cached prefix, unless the load is out of balance (the
+                    cache-aware routing of the SGLang and vLLM routers)
+    switchyard      lowest predicted time to first token: (queued uncached tokens +
+                    this prompt's uncached tokens there, fetchable blocks credited) /
+                    that worker's prefill rate
+
+Session affinity and tenant scoping are not policies: the core applies them around
+whichever policy runs (see ``SchedulerCore``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from scheduler.index import WorkerMatch
+from scheduler.state import Tracked, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlacementView:
+    matches: Mapping[str, WorkerMatch]  # worker id -> its cached prefix of this prompt
+    block_size: int
+    prefill_rate: Callable[[WorkerState], float]  # tokens/s
+    fetch_credit: float  # share of a fetchable block's compute that fetching saves
+
+    def cached_tokens(self, worker_id: str) -> int:
+        match = self.matches.get(worker_id)
+        return match.device_blocks * self.block_size if match else 0
+
+    def uncached_tokens(self, worker: WorkerState, request: Tracked) -> float:
+        """Prompt tokens this worker must compute: device hits are free, blocks on its
+        host/disk tier or in the cluster store cost only what fetching them costs."""
+        match = self.matches.get(worker.worker_id)
+        if match is None:
+            return float(request.prompt_tokens)
+        fetchable = (match.blocks - match.device_blocks) * self.block_size
+        device = match.device_blocks * self.block_size
+        return max(0.0, request.prompt_tokens - device - self.fetch_credit * fetchable)
+
+
+class PrefillPolicy(Protocol):
+    name: str
+
+    def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState: ...
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        ordered = sorted(candidates, key=lambda w: w.worker_id)
+        self._turn += 1
+        return ordered[self._turn % len(ordered)]
+
+
+class LeastRequests:
+    name = "least_requests"
+
+    def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        return min(candidates, key=lambda w: (len(w.assigned), w.worker_id))
+
+
+class LeastTokens:
+    name = "least_tokens"
+
+    def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        return min(candidates, key=lambda w: (w.load_tokens, w.worker_id))
+
+
+class Prefix:
+    """Cache-aware with a load-balance guard. When the fleet is out of balance (the most
+    loaded candidate holds ``balance_abs`` more tokens than the least and more than
+    ``balance_rel`` times as many) it balances; otherwise it follows the longest cached
+    prefix when that covers at least ``min_match`` of the prompt."""
+
+    name = "prefix"
+
+    def __init__(self, balance_abs: int = 4096, balance_rel: float = 1.5, min_match: float = 0.1) -> None:
+        self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
+
+    def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        least = min(candidates, key=lambda w: (w.load_tokens, w.worker_id))
+        most = max(w.load_tokens for w in candidates)
+        if most - least.load_tokens > self.balance_abs and most > self.balance_rel * least.load_tokens:
+            return least
+        best = max(candidates, key=lambda w: (view.cached_tokens(w.worker_id), -w.load_tokens, w.worker_id))
+        if view.cached_tokens(best.worker_id) >= self.min_match * request.prompt_tokens > 0:
+            return best
+        return least
+
+
+class Switchyard:
+    """One cost, lower is better: the predicted time to first token on each worker."""
+
+    name = "switchyard"
+
+    def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        return min(candidates, key=lambda w: (self.cost(w, request, view), w.worker_id))
+
+    @staticmethod
+    def cost(worker: WorkerState, request: Tracked, view: PlacementView) -> float:
+        queued = worker.load_tokens  # the ledger holds uncached tokens placed and not yet done
+        mine = view.uncached_tokens(worker, request)
+        rate = view.prefill_rate(worker)
+        cost = (queued + mine) / rate
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("cost %s on %s = (queued %d + uncached %.0f of %d) / %.0f tok/s = %.4f s",
+                      request.spec.request_id, worker.worker_id, queued, mine, request.prompt_tokens, rate, cost)
+        return cost
+
+
+POLICIES: dict[str, Callable[[], PrefillPolicy]] = {
+    cls.name: cls for cls in (RoundRobin, LeastRequests, LeastTokens, Prefix, Switchyard)
+}
+
+
+def make_policy(name: str) -> PrefillPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+
+
+def decode_cost(worker: WorkerState) -> tuple[float, int, str]:
+    """Decode placement: KV tokens held against capacity, then sequences running."""
+    return (worker.load_tokens / max(1, worker.token_budget), len(worker.assigned), worker.worker_id)

@@ -1,0 +1,74 @@
+"""The central prefill queue: priorities, then fairness between tenants, then arrival.
+
+Order within the queue, first to last:
+1. ``priority`` (0 interactive before 1 batch, and so on);
+2. requests that lost their worker (re-queued) before new ones;
+3. start-time fair queuing by prompt tokens across tenants: each request gets a
+   virtual start ``max(now_virtual, tenant's last virtual finish)`` and advances its
+   tenant's finish by its prompt tokens, so a tenant that floods the queue waits
+   behind the others' next requests instead of starving them;
+4. arrival order.
+The head is dispatched when some worker fits it; nobody jumps the head (no
+starvation of large prompts by small ones).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from scheduler.state import Tracked
+
+_Key = tuple[int, int, float, int, str]
+
+
+class FairQueue:
+    def __init__(self) -> None:
+        self._entries: list[_Key] = []
+        self._virtual_now = 0.0
+        self._tenant_finish: dict[str, float] = {}
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def push(self, tracked: Tracked, front: bool = False) -> None:
+        tracked.requeued = front
+        if tracked.virtual_start is None:
+            tenant = tracked.spec.tenant
+            start = max(self._virtual_now, self._tenant_finish.get(tenant, 0.0))
+            self._tenant_finish[tenant] = start + tracked.prompt_tokens
+            tracked.virtual_start = start
+        bisect.insort(self._entries, self._key(tracked))
+        self.tokens += tracked.prompt_tokens
+
+    def head(self) -> str | None:
+        return self._entries[0][-1] if self._entries else None
+
+    def pop_head(self, tracked: Tracked) -> None:
+        assert self._entries and self._entries[0][-1] == tracked.spec.request_id
+        self._entries.pop(0)
+        self.tokens -= tracked.prompt_tokens
+        self._virtual_now = max(self._virtual_now, tracked.virtual_start or 0.0)
+        self._forget_idle_tenants()
+
+    def remove(self, tracked: Tracked) -> None:
+        self._entries.remove(self._key(tracked))
+        self.tokens -= tracked.prompt_tokens
+
+    def position(self, tracked: Tracked) -> int:
+        """1 for the head."""
+        return bisect.bisect_left(self._entries, self._key(tracked)) + 1
+
+    def request_ids(self) -> list[str]:
+        return [entry[-1] for entry in self._entries]
+
+    @staticmethod
+    def _key(tracked: Tracked) -> _Key:
+        return (tracked.spec.priority, 0 if tracked.requeued else 1, tracked.virtual_start or 0.0,
+                tracked.order, tracked.spec.request_id)
+
+    def _forget_idle_tenants(self) -> None:
+        # A tenant whose virtual finish is behind virtual now has no advantage left to
+        # remember; dropping it keeps this map as small as the set of active tenants.
+        if len(self._tenant_finish) > 1024:
+            self._tenant_finish = {t: f for t, f in self._tenant_finish.items() if f > self._virtual_now}
