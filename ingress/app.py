@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 
 TENANT_HEADER = "x-switchyard-tenant"
 SESSION_HEADER = "x-session-affinity"
+PRIORITY_HEADER = "x-switchyard-priority"  # interactive (default), batch, or 0-9
+DEADLINE_HEADER = "x-switchyard-deadline-s"  # first token due within this many seconds
+_PRIORITIES = {"interactive": 0, "batch": 1}
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
@@ -195,7 +198,9 @@ class Ingress:
         tenant = request.headers.get(TENANT_HEADER, "default")
         if not _TENANT_RE.match(tenant):
             raise InvalidRequest(f"Header {TENANT_HEADER} must match {_TENANT_RE.pattern}.")
-        spec = self._spec(kind, body, prompt, max_tokens, tenant, request.headers.get(SESSION_HEADER))
+        spec = self._spec(kind, body, prompt, max_tokens, tenant, request.headers.get(SESSION_HEADER),
+                          _priority(request.headers.get(PRIORITY_HEADER)),
+                          _deadline(request.headers.get(DEADLINE_HEADER)))
         stops = stop_strings(body.stop)
         span = tracing.tracer().start_span(f"POST {request.url.path}", kind=SpanKind.SERVER)
         span.set_attribute("switchyard.request_id", spec.request_id)
@@ -216,7 +221,7 @@ class Ingress:
                           inbox=inbox, span=span, arrived=time.monotonic())
 
     def _spec(self, kind: Kind, body, prompt: list[int], max_tokens: int, tenant: str,
-              session: str | None) -> RequestSpec:
+              session: str | None, priority: int, deadline_s: float | None) -> RequestSpec:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         sampling = SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if body.temperature is None else body.temperature,
@@ -224,7 +229,8 @@ class Ingress:
         keys = block_keys(prompt, self.config.block_size, salt_for(tenant, self.model))
         return RequestSpec(request_id=f"{prefix}-{uuid.uuid4().hex}", ingress_id=self.ingress_id,
                            model=self.model, prompt_tokens=prompt, block_size=self.config.block_size,
-                           block_keys=keys, sampling=sampling, tenant=tenant, session=session)
+                           block_keys=keys, sampling=sampling, tenant=tenant, session=session,
+                           priority=priority, deadline_s=deadline_s)
 
     async def _submit(self, spec: RequestSpec, ctx) -> None:
         payload = codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec))
@@ -246,6 +252,28 @@ class Ingress:
                 raise InvalidRequest(message)
             case other:
                 raise ApiError(f"unexpected scheduler reply {type(other).__name__}")
+
+
+def _priority(value: str | None) -> int:
+    if value is None:
+        return 0
+    if value in _PRIORITIES:
+        return _PRIORITIES[value]
+    if value.isdigit() and int(value) <= 9:
+        return int(value)
+    raise InvalidRequest(f"Header {PRIORITY_HEADER} must be interactive, batch or 0-9, got {value!r}.")
+
+
+def _deadline(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        deadline = float(value)
+    except ValueError:
+        deadline = -1.0
+    if not 0 < deadline < 86_400:
+        raise InvalidRequest(f"Header {DEADLINE_HEADER} must be seconds in (0, 86400), got {value!r}.")
+    return deadline
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:

@@ -8,6 +8,7 @@
     ├── RateLimited               429 with Retry-After
     ├── Unavailable               503 (no scheduler / no workers)
     └── GenerationFailed          502 (a worker was lost mid-request)
+        └── DeadlineExceeded      504 (queued past its x-switchyard-deadline-s)
 """
 
 from __future__ import annotations
@@ -78,3 +79,13 @@ class Unavailable(ApiError):
 class GenerationFailed(ApiError):
     status = 502
     type = "server_error"
+
+
+class DeadlineExceeded(GenerationFailed):
+    status = 504
+
+
+def generation_error(code: str, message: str) -> GenerationFailed:
+    """The HTTP error for a stream that failed with ``code``."""
+    cls = DeadlineExceeded if code == "deadline_exceeded" else GenerationFailed
+    return cls(message, code=code)

@@ -18,7 +18,7 @@ import anyio
 import msgspec
 from opentelemetry.trace import Span, Status, StatusCode
 
-from ingress.errors import ApiError, GenerationFailed
+from ingress.errors import ApiError, generation_error
 from ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from ingress.text import TextAssembler
 from observability.metrics import ServingMetrics
@@ -122,7 +122,7 @@ class Generation:
             await self._generate(collect)
         except StreamFailed as exc:
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
-            await _send_json(send, GenerationFailed(exc.error.message, code=exc.error.code))
+            await _send_json(send, generation_error(exc.error.code, exc.error.message))
             return
         self.outcome = "ok"
         await _send_json(send, None, self._body("".join(parts)))
@@ -152,7 +152,7 @@ class Generation:
             await self._generate(emit)
         except StreamFailed as exc:
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
-            await self._event(send, GenerationFailed(exc.error.message, code=exc.error.code).body())
+            await self._event(send, generation_error(exc.error.code, exc.error.message).body())
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         self.outcome = "ok"

@@ -39,7 +39,9 @@ def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, l
               "--sim-cache-blocks", str(args.sim_cache_blocks)]
     commands = [("scheduler", procs.service_command(
         "scheduler", *common, "--max-queued-tokens", str(args.max_queued_tokens),
-        "--worker-expiry-s", str(args.worker_expiry_s)))]
+        "--worker-expiry-s", str(args.worker_expiry_s), "--policy", args.policy,
+        "--local-prefill-max-tokens", str(args.local_prefill_max_tokens), "--session-ttl-s", str(args.session_ttl_s),
+        "--session-max-load", str(args.session_max_load)))]
     commands += [(f"prefill-{i}", procs.service_command("worker", "--role", "prefill", *worker))
                  for i in range(args.prefill)]
     commands += [(f"decode-{i}", procs.service_command("worker", "--role", "decode", *worker))

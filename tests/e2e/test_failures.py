@@ -121,3 +121,29 @@ def test_overload_gets_429_with_retry_after(nats):
         for exc in limited:
             assert int(exc.response.headers["retry-after"]) >= 1
             assert exc.body["type"] == "rate_limit_error" and exc.code == "overloaded"
+
+
+def test_a_request_queued_past_its_deadline_gets_504(nats):
+    slow_prefill = SimCostModel(prefill_base_s=1.5)
+    with running_stack(nats.url, prefill_cost=slow_prefill, worker_overrides={"token_budget": 8}) as stack:
+        client = _client(stack)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            blocker = pool.submit(client.completions.create, model=MODEL, prompt="occupy the only worker",
+                                  max_tokens=2)
+            assert wait_until(lambda: any(w.inflight_tokens for w in stack.scheduler.core.status().workers))
+            response = httpx.post(stack.base_url + "/completions", timeout=30,
+                                  headers={"x-switchyard-deadline-s": "0.5", "x-switchyard-priority": "batch"},
+                                  json={"model": MODEL, "prompt": "too late", "max_tokens": 2})
+            assert blocker.result(timeout=30).usage.completion_tokens == 2
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["code"] == "deadline_exceeded"
+
+
+@pytest.mark.parametrize("header, value", [("x-switchyard-priority", "urgent"),
+                                           ("x-switchyard-deadline-s", "soon"),
+                                           ("x-switchyard-deadline-s", "-1")])
+def test_bad_scheduling_headers_are_400(nats, header, value):
+    with running_stack(nats.url) as stack:
+        response = httpx.post(stack.base_url + "/completions", headers={header: value},
+                              json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert response.status_code == 400 and header in response.json()["error"]["message"]
