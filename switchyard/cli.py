@@ -97,6 +97,14 @@ def _add_scheduler_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-queued-tokens", type=_positive_int, default=262_144)
     g.add_argument("--worker-expiry-s", type=float, default=2.0)
+    g.add_argument("--policy", default="switchyard",
+                   choices=["round_robin", "least_requests", "least_tokens", "prefix", "switchyard"],
+                   help="prefill placement policy")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="prompts with at most this many uncached tokens prefill on their decode worker")
+    g.add_argument("--session-ttl-s", type=float, default=600.0)
+    g.add_argument("--session-max-load", type=float, default=0.8,
+                   help="a session follows its worker only below this share of the worker's budget")
 
 
 def _add_worker_options(p: argparse.ArgumentParser) -> None:
@@ -128,7 +136,9 @@ def scheduler_config(args: argparse.Namespace, nats_url: str):
     from scheduler.config import SchedulerConfig
     from scheduler.service import SchedulerServiceConfig
 
-    core = SchedulerConfig(max_queued_tokens=args.max_queued_tokens, worker_expiry_s=args.worker_expiry_s)
+    core = SchedulerConfig(max_queued_tokens=args.max_queued_tokens, worker_expiry_s=args.worker_expiry_s,
+                           policy=args.policy, local_prefill_max_tokens=args.local_prefill_max_tokens,
+                           session_ttl_s=args.session_ttl_s, session_max_load=args.session_max_load)
     return SchedulerServiceConfig(nats_url=nats_url, core=core)
 
 
