@@ -1,12 +1,21 @@
 """The scheduler on the bus: a thin async loop around ``SchedulerCore``.
 
-Inputs arrive on four subscriptions (submits, worker events, cancels, task acks) and
-a ticker; each is fed to the core synchronously, in this one event loop, so the core
-needs no locks. The core's actions are carried out at once by the task that fed it:
-a dispatch is published straight away (it is on the token's path), with a reply
-subject on the scheduler's own ack inbox. Acks, refusals and NATS's no-responders
-status come back there; a dispatch unanswered for ``dispatch_timeout_s`` times out
-on the ticker. Every failure goes back into the core, which decides what to retry.
+Inputs arrive on five subscriptions (submits, worker events, cancels, task acks, KV
+events) and a ticker; each is fed to the core synchronously, in this one event loop,
+so the core needs no locks. The core's actions are carried out at once by the task
+that fed it: a dispatch is published straight away (it is on the token's path), with
+a reply subject on the scheduler's own ack inbox. Acks, refusals and NATS's
+no-responders status come back there; a dispatch unanswered for ``dispatch_timeout_s``
+times out on the ticker. Every failure goes back into the core, which decides what to
+retry.
+
+KV events (``KV_EVENTS``) feed the core's prefix index. A snapshot the core asks for
+(a worker joined, or its events had a gap) is a request/reply that can take up to
+``snapshot_timeout_s``, too slow to await in the task that decided it: the worker id
+goes into a bounded stream, and a few fetcher tasks of the service's own task group
+carry the requests out and feed each answer (or its failure) back to the core. A
+fresh scheduler thus rebuilds the whole index from the running workers: its roll call
+registers them, and each registration asks a snapshot.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from dataclasses import dataclass
 
 import anyio
 import msgspec
+import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.client import Client
 
@@ -29,6 +39,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.core import Action, Dispatch, DispatchOutcome, FailStream, RequestSnapshot, SchedulerCore
 from schemas import (
     Cancel,
+    KvSnapshot,
+    KvSnapshotRequest,
     RollCall,
     StatusRequest,
     StreamBatch,
@@ -41,6 +53,9 @@ from schemas import (
 log = logging.getLogger(__name__)
 
 _NO_RESPONDERS = "503"
+# Snapshots waiting for a fetcher. The core asks at most one per worker at a time, so
+# this bounds the fleet the scheduler can resync at once, not the work it can do.
+_SNAPSHOT_QUEUE = 4096
 
 
 class SchedulerServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,6 +63,13 @@ class SchedulerServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     core: SchedulerConfig = SchedulerConfig()
     tick_s: float = 0.1
     dispatch_timeout_s: float = 2.0
+    # A worker's KV snapshot: how long to wait for it, how many to fetch at once.
+    snapshot_timeout_s: float = 2.0
+    snapshot_fetchers: int = 4
+
+    def __post_init__(self) -> None:
+        if self.snapshot_fetchers < 1 or self.snapshot_timeout_s <= 0:
+            raise ValueError("snapshot_fetchers and snapshot_timeout_s must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +91,7 @@ class SchedulerService:
         self._pending: dict[str, _PendingAck] = {}  # ack token -> dispatch awaiting its ack
         self._tokens = itertools.count()
         self._nc: Client | None = None
+        self._snapshots_send, self._snapshots_receive = anyio.create_memory_object_stream[str](_SNAPSHOT_QUEUE)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with connect(self.config.nats_url, self.scheduler_id, self.stats) as nc:
@@ -78,10 +101,14 @@ class SchedulerService:
                 events = await subscribe(nc, subjects.WORKER_EVENTS)
                 cancels = await subscribe(nc, subjects.CANCEL)
                 acks = await subscribe(nc, f"{self._ack_inbox}.*")
+                kv_events = await subscribe(nc, subjects.KV_EVENTS)
                 tg.start_soon(self._serve_submits, submits)
                 tg.start_soon(self._serve_events, events)
                 tg.start_soon(self._serve_cancels, cancels)
                 tg.start_soon(self._serve_acks, acks)
+                tg.start_soon(self._serve_kv_events, kv_events)
+                for _ in range(self.config.snapshot_fetchers):
+                    tg.start_soon(self._fetch_snapshots)
                 tg.start_soon(self._tick)
                 await nc.flush()
                 # Workers that were up before us register now instead of at their next beat.
@@ -148,6 +175,38 @@ class SchedulerService:
                 log.info("worker %s refused %s: %s", pending.worker_id, pending.request_id, ack.reason)
                 await self._dispatch_failed(pending, "refused")
 
+    async def _serve_kv_events(self, sub) -> None:
+        async for msg in sub.messages:
+            try:
+                batch = codec.KV_EVENTS.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable KV events: %s", exc)
+                continue
+            await self._act(self.core.on_kv_events(batch, self._clock()))
+
+    async def _fetch_snapshots(self) -> None:
+        async for worker_id in self._snapshots_receive:
+            snapshot = await self._request_snapshot(worker_id)
+            if snapshot is None:
+                await self._act(self.core.on_snapshot_failed(worker_id, self._clock()))
+            else:
+                await self._act(self.core.on_kv_snapshot(snapshot, self._clock()))
+
+    async def _request_snapshot(self, worker_id: str) -> KvSnapshot | None:
+        assert self._nc is not None
+        request = codec.KV_SNAPSHOT_REQUEST.encode(KvSnapshotRequest(scheduler_id=self.scheduler_id))
+        try:
+            reply = await self._nc.request(subjects.kv_snapshot(worker_id), request,
+                                           timeout=self.config.snapshot_timeout_s)
+            snapshot = codec.KV_SNAPSHOT.decode(reply.data)
+        except (nats.errors.Error, msgspec.DecodeError) as exc:  # timeout, no responders, garbage
+            log.warning("no KV snapshot from %s: %r", worker_id, exc)
+            return None
+        if snapshot.worker_id != worker_id:
+            log.warning("asked %s for its KV snapshot, %s answered", worker_id, snapshot.worker_id)
+            return None
+        return snapshot
+
     async def _tick(self) -> None:
         while True:
             await anyio.sleep(self.config.tick_s)
@@ -172,7 +231,16 @@ class SchedulerService:
                 case FailStream():
                     await self._fail_stream(action)
                 case RequestSnapshot():
-                    pass  # KV snapshots: being wired (the index is a placeholder until then)
+                    await self._queue_snapshot(action.worker_id)
+
+    async def _queue_snapshot(self, worker_id: str) -> None:
+        """Hand the request to a fetcher without waiting; if none can take it, it failed."""
+        try:
+            self._snapshots_send.send_nowait(worker_id)
+        except anyio.WouldBlock:
+            log.warning("%d KV snapshots already waiting; %s must ask again",
+                        self._snapshots_send.statistics().current_buffer_used, worker_id)
+            await self._act(self.core.on_snapshot_failed(worker_id, self._clock()))
 
     async def _dispatch(self, action: Dispatch) -> None:
         assert self._nc is not None

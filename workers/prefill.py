@@ -2,7 +2,9 @@
 
 For each request it streams token 0 (with the prompt usage: prompt and cached tokens)
 straight to the request's ingress, then tells the scheduler ``PrefillDone`` with the
-KV handle so that a decode worker can continue at token 1.
+KV handle so that a decode worker can continue at token 1. After each batch it
+publishes what the batch changed in the engine's prefix cache (one ``KvEventBatch``,
+when anything changed) for the scheduler's prefix index.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from opentelemetry.trace import Span
 from observability import tracing
 from schemas import PrefillDone, PrefillFailed, PrefillTask, PromptUsage, StreamChunk, WorkerTask
 from workers.engine import PrefillEngine, PrefillResult
+from workers.kv_events import KvCacheView, NoKvCache
 from workers.runtime import WorkerBus
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,11 @@ class PrefillRole:
         self._active: dict[str, _Job] = {}  # queued or computing, by request id
         self._tokens = 0
         self._wake = anyio.Event()
+
+    @property
+    def kv_cache(self) -> KvCacheView:
+        """The engine's prefix cache, as the runtime reports it (see ``workers.kv_events``)."""
+        return self.engine if isinstance(self.engine, KvCacheView) else NoKvCache()
 
     def inflight_tokens(self) -> int:
         return self._tokens
@@ -75,14 +83,17 @@ class PrefillRole:
             if not self._queue:
                 self._wake = anyio.Event()
                 await self._wake.wait()
-            batch = self._take_batch()
-            try:
-                results = await self.engine.prefill([job.task for job in batch])
-            except Exception as exc:  # an engine failure fails its batch, not the worker
-                log.exception("prefill batch of %d failed", len(batch))
-                await self._fail(bus, batch, f"prefill failed: {exc}")
-                continue
-            await self._publish(bus, batch, results)
+            await self._compute(bus, self._take_batch())
+            await bus.kv_changes()  # whatever the batch left in the cache, even if it failed
+
+    async def _compute(self, bus: WorkerBus, batch: list[_Job]) -> None:
+        try:
+            results = await self.engine.prefill([job.task for job in batch])
+        except Exception as exc:  # an engine failure fails its batch, not the worker
+            log.exception("prefill batch of %d failed", len(batch))
+            await self._fail(bus, batch, f"prefill failed: {exc}")
+            return
+        await self._publish(bus, batch, results)
 
     def _take_batch(self) -> list[_Job]:
         batch = [self._queue.popleft()]

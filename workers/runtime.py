@@ -1,25 +1,33 @@
 """What every worker does on the bus, whatever its role.
 
 ``WorkerRuntime.run`` owns the task group: heartbeats (``LoadReport``), the task
-subscription (request/reply: accept or refuse, then work), cancels, roll calls, and
-the role's own engine loop. Roles plug in through ``Role``.
+subscription (request/reply: accept or refuse, then work), cancels, roll calls, KV
+snapshot requests, and the role's own engine loop. Roles plug in through ``Role``.
+
+The worker's KV cache reaches the scheduler's prefix index through one ``KvReporter``
+(``workers.kv_events``): the role publishes its changes with ``WorkerBus.kv_changes``
+after each engine batch; the runtime answers ``KvSnapshotRequest`` from the same
+reporter, so snapshot and batches share one sequence. A role whose engine keeps no
+prefix cache (decode) reports an empty one.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
+from nats.errors import MaxPayloadError
 
 from observability.bus import BusStats, connect, subscribe
 from schemas import Cancel, LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
 from schemas.messages import TaskAck, WorkerEvent
 from workers.config import WorkerConfig
+from workers.kv_events import KvCacheView, KvReporter, NoKvCache
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +52,27 @@ class Role(Protocol):
         ...
 
 
+@runtime_checkable
+class CachingRole(Protocol):
+    """A role whose engine keeps a prefix cache the scheduler should hear of (prefill)."""
+
+    @property
+    def kv_cache(self) -> KvCacheView: ...
+
+
 class WorkerBus:
     """The worker's outbound side, handed to its role."""
 
-    def __init__(self, nc: Client, config: WorkerConfig) -> None:
+    def __init__(self, nc: Client, config: WorkerConfig, kv: KvReporter) -> None:
         self.nc = nc
         self.config = config
+        self.kv = kv
+
+    async def kv_changes(self) -> None:
+        """Publish what the engine's cache stored and evicted since last time, if anything."""
+        batch = self.kv.next_batch()  # numbered now, with its changes taken (see kv_events)
+        if batch is not None:
+            await self.nc.publish(subjects.KV_EVENTS, codec.KV_EVENTS.encode(batch))
 
     async def event(self, event: WorkerEvent) -> None:
         await self.nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(event))
@@ -66,11 +89,13 @@ class WorkerRuntime:
         self.stats = BusStats()
         self._seq = 0
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        cache = role.kv_cache if isinstance(role, CachingRole) else NoKvCache()
+        self.kv = KvReporter(config.worker_id, cache)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         async with connect(cfg.nats_url, cfg.worker_id, self.stats) as nc:
-            bus = WorkerBus(nc, cfg)
+            bus = WorkerBus(nc, cfg, self.kv)
             try:
                 async with anyio.create_task_group() as tg:
                     await self._start(tg, nc, bus)
@@ -85,9 +110,11 @@ class WorkerRuntime:
         tasks = await subscribe(nc, subjects.worker_tasks(self.config.worker_id))
         cancels = await subscribe(nc, subjects.CANCEL)
         roll_calls = await subscribe(nc, subjects.ROLL_CALL)
+        snapshots = await subscribe(nc, subjects.kv_snapshot(self.config.worker_id))
         tg.start_soon(self._serve_tasks, tasks)
         tg.start_soon(self._serve_cancels, cancels)
         tg.start_soon(self._serve_roll_calls, roll_calls, bus)
+        tg.start_soon(self._serve_kv_snapshots, snapshots)
         tg.start_soon(self.role.serve, bus)
         await nc.flush()
         tg.start_soon(self._heartbeat, bus)
@@ -120,6 +147,16 @@ class WorkerRuntime:
     async def _serve_roll_calls(self, sub, bus: WorkerBus) -> None:
         async for _ in sub.messages:
             await self._report(bus)
+
+    async def _serve_kv_snapshots(self, sub) -> None:
+        async for msg in sub.messages:
+            snapshot = self.kv.snapshot()  # one synchronous read: consistent with kv.seq
+            try:
+                await msg.respond(codec.KV_SNAPSHOT.encode(snapshot))
+            except MaxPayloadError:
+                # Too big for one message: the scheduler times out and keeps what it had.
+                log.error("KV snapshot of %d blocks exceeds the NATS max payload",
+                          sum(map(len, snapshot.blocks.values())))
 
     async def _heartbeat(self, bus: WorkerBus) -> None:
         while True:

@@ -4,6 +4,10 @@ Prefill time grows with the prompt tokens not found in a bounded LRU prefix cach
 (keyed by the chained block keys the ingress computed); a decode step's time grows
 with the batch. With every cost at zero it measures the fabric itself.
 
+The prefix cache reports itself (``workers.kv_events.KvCacheView``): what it stored
+and evicted since last asked, netted per key so that the pending changes never
+outgrow the cache (a block stored and evicted between two reports is never told).
+
 Output tokens are a pure function of (sampling key, position): a greedy request
 (temperature 0) or a seeded one gives the same text wherever and however often it
 runs, which is what lets a prefill worker emit token 0 and a decode worker continue
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import anyio
 import msgspec
 
-from schemas import DecodeTask, PrefillTask, SimKvHandle
+from schemas import BlocksRemoved, BlocksStored, DecodeTask, KvEvent, PrefillTask, SimKvHandle, Tier
 from workers.engine import PrefillResult, StepOutput
 
 _MASK = (1 << 64) - 1
@@ -79,6 +83,9 @@ class SimEngine:
         self.config = config
         self.worker_id = worker_id
         self._cache: OrderedDict[int, None] = OrderedDict()
+        # Changes since take_kv_events, net of each other: disjoint, each within the cache's size.
+        self._stored: dict[int, None] = {}  # absent at the last report, present now
+        self._removed: dict[int, None] = {}  # present at the last report, absent now
         self._running: dict[str, _Sequence] = {}
         self._held = 0
 
@@ -116,10 +123,32 @@ class SimEngine:
 
     def _remember(self, keys: list[int]) -> None:
         for key in keys:
+            if key in self._removed:
+                del self._removed[key]  # back as it was at the last report
+            elif key not in self._cache:
+                self._stored[key] = None
             self._cache[key] = None
             self._cache.move_to_end(key)
         while len(self._cache) > self.config.cache_blocks:
-            self._cache.popitem(last=False)
+            key, _ = self._cache.popitem(last=False)
+            if key in self._stored:
+                del self._stored[key]  # never reported: nothing to take back
+            else:
+                self._removed[key] = None
+
+    # --- cache reporting (KvCacheView) ------------------------------------------------
+
+    def cached_blocks(self) -> dict[Tier, list[int]]:
+        return {"device": list(self._cache)}
+
+    def take_kv_events(self) -> list[KvEvent]:
+        events: list[KvEvent] = []
+        if self._stored:
+            events.append(BlocksStored(keys=list(self._stored), tier="device"))
+        if self._removed:
+            events.append(BlocksRemoved(keys=list(self._removed), tier="device"))
+        self._stored, self._removed = {}, {}
+        return events
 
     # --- decode ----------------------------------------------------------------------
 
