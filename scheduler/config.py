@@ -17,8 +17,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_dispatch_attempts: int = 3
     # A session stays bound to the prefill worker that served it this long.
     session_ttl_s: float = 600.0
-    # (key, worker) pairs the global prefix index keeps at most (about 100 bytes each).
-    index_max_entries: int = 4_000_000
+    # (key, worker) pairs the global prefix index keeps at most (about 370 bytes for a
+    # key held by one worker, 80 more per further holder: 1M pairs is roughly 370 MB).
+    index_max_entries: int = 1_000_000
+    # A worker whose snapshot failed is asked again after this long.
+    snapshot_retry_s: float = 1.0
     # Prefill placement policy: round_robin, least_requests, least_tokens, prefix, switchyard.
     policy: str = "switchyard"
     # A block on a worker's host/disk tier or in the cluster store saves this share of

@@ -93,6 +93,7 @@ class SchedulerCore:
         self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
         self._arrivals = 0
         self._snapshots_asked: set[str] = set()
+        self._snapshot_retry_at: dict[str, float] = {}  # worker -> when to ask again
 
     # --- inputs ------------------------------------------------------------------
 
@@ -143,8 +144,12 @@ class SchedulerCore:
         return []
 
     def on_snapshot_failed(self, worker_id: str, now: float) -> list[Action]:
-        """The worker did not answer for its snapshot: ask again on its next event."""
+        """The worker did not answer for its snapshot. Until it does, the index knows
+        nothing of it (under-reporting a cache costs a recompute; over-reporting it would
+        send prompts where their prefix is not), and the tick asks again."""
         self._snapshots_asked.discard(worker_id)
+        self.index.forget_worker(worker_id)
+        self._snapshot_retry_at[worker_id] = now + self.config.snapshot_retry_s
         return []
 
     def restore_session(self, binding: Binding, now: float) -> None:
@@ -182,7 +187,15 @@ class SchedulerCore:
             if now - worker.last_seen > self.config.worker_expiry_s:
                 actions += self._remove_worker(worker.worker_id, now)
         self.sessions.expire(now)
-        return actions + self._expire_deadlines(now) + self._drain(now)
+        return actions + self._retry_snapshots(now) + self._expire_deadlines(now) + self._drain(now)
+
+    def _retry_snapshots(self, now: float) -> list[Action]:
+        due = [w for w, at in self._snapshot_retry_at.items() if at <= now]
+        actions: list[Action] = []
+        for worker_id in due:
+            del self._snapshot_retry_at[worker_id]
+            actions += self._ask_snapshot(worker_id)
+        return actions
 
     # --- queries -----------------------------------------------------------------
 
@@ -355,6 +368,9 @@ class SchedulerCore:
             actions += self._ask_snapshot(report.worker_id)  # a full dump when a worker joins
         worker.token_budget, worker.last_seen = report.token_budget, now
         worker.last_seq = report.seq
+        known = self.index.last_seq(report.worker_id)
+        if known is not None and report.kv_seq > known:  # its last batch never reached us
+            actions += self._ask_snapshot(report.worker_id)
         return actions + self._drain(now)
 
     def _ask_snapshot(self, worker_id: str) -> list[Action]:
@@ -375,6 +391,7 @@ class SchedulerCore:
         self.index.forget_worker(worker_id)
         self.sessions.forget_worker(worker_id)
         self._snapshots_asked.discard(worker_id)
+        self._snapshot_retry_at.pop(worker_id, None)
         actions: list[Action] = []
         for rid in list(worker.assigned):
             actions += self._retry_or_fail(self.requests[rid], "worker_lost", now)

@@ -180,6 +180,10 @@ class PrefixIndex:
     def knows(self, worker_id: str) -> bool:
         return worker_id in self._seq
 
+    def last_seq(self, worker_id: str) -> int | None:
+        """The seq of the last batch (or snapshot) applied for this worker."""
+        return self._seq.get(worker_id)
+
     def match(self, block_keys: list[int], workers: Iterable[str] | None = None) -> dict[str, WorkerMatch]:
         wanted = self._seq.keys() if workers is None else self._seq.keys() & set(workers)
         walk = _Walk(wanted)

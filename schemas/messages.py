@@ -163,6 +163,7 @@ class LoadReport(_Wire, tag="load"):
     inflight_tokens: int
     running: int
     interval_s: float
+    kv_seq: int = 0  # the last KvEventBatch it published: a lost last batch shows here
 
 
 class PrefillDone(_Wire, tag="prefill_done"):

@@ -35,6 +35,7 @@ from schemas import (
 )
 from workers.engine import DecodeEngine, StepOutput
 from workers.handoff import first_token
+from workers.kv_events import KvCacheView, NoKvCache
 from workers.runtime import WorkerBus
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,11 @@ class DecodeRole:
         self._last_publish = 0.0
         self._local: dict[str, tuple[LocalTask, Span]] = {}  # local prefills not yet computed
         self._wake = anyio.Event()
+
+    @property
+    def kv_cache(self) -> KvCacheView:
+        """Its prefix cache (filled by local prefills), as the runtime reports it."""
+        return self.engine if isinstance(self.engine, KvCacheView) else NoKvCache()
 
     def inflight_tokens(self) -> int:
         return self.engine.held_tokens
@@ -116,6 +122,7 @@ class DecodeRole:
                 await self._wake.wait()
             if self._local:
                 await self._prefill_local(bus)
+                await bus.kv_changes()
             if not self.engine.running:
                 continue
             finished = self._absorb(await self.engine.step())

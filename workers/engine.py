@@ -31,6 +31,9 @@ class StepOutput:
 
 
 class PrefillEngine(Protocol):
+    """An engine that keeps a prefix cache also implements ``workers.kv_events.KvCacheView``,
+    so that the scheduler's prefix index hears what it holds."""
+
     async def prefill(self, tasks: list[PrefillTask]) -> list[PrefillResult]: ...
 
 

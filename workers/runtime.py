@@ -170,5 +170,5 @@ class WorkerRuntime:
             worker_id=cfg.worker_id, role=cfg.role, seq=self._seq, engine=cfg.engine,
             model=cfg.model, block_size=cfg.block_size, token_budget=cfg.token_budget,
             inflight_tokens=self.role.inflight_tokens(), running=self.role.running(),
-            interval_s=cfg.report_interval_s,
+            interval_s=cfg.report_interval_s, kv_seq=self.kv.seq,
         ))

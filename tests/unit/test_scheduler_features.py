@@ -218,3 +218,49 @@ def test_colocated_alone_counts_as_both_roles_for_admission() -> None:
     c.worker("w", "both")
     reply, _ = c.submit(make_spec("y"))
     assert isinstance(reply, Admitted)
+
+
+# --- keeping the prefix index honest -----------------------------------------------------------
+
+
+def _snapshot(worker_id: str, seq: int, keys: list[int]):
+    from schemas import KvSnapshot
+
+    return KvSnapshot(worker_id=worker_id, seq=seq, blocks={"device": keys})
+
+
+def test_a_heartbeat_ahead_of_the_index_asks_a_snapshot() -> None:
+    from factories import load_report
+    from scheduler import RequestSnapshot
+
+    c = Core()
+    c.worker("p", "prefill")
+    c.core.on_snapshot_failed("p", c.clock.now)  # the join's snapshot request is settled
+    c.core.on_kv_snapshot(_snapshot("p", 3, [1, 2]), c.clock.now)
+    c.seq += 1
+    quiet = c.core.on_event(load_report("p", "prefill", budget=100_000, seq=c.seq), c.clock.now)
+    assert not [a for a in quiet if isinstance(a, RequestSnapshot)]
+    c.seq += 1
+    report = load_report("p", "prefill", budget=100_000, seq=c.seq)
+    ahead = c.core.on_event(msgspec_replace(report, kv_seq=4), c.clock.now)  # batch 4 never arrived
+    assert [a.worker_id for a in ahead if isinstance(a, RequestSnapshot)] == ["p"]
+
+
+def test_a_failed_snapshot_forgets_the_worker_and_is_retried_on_tick() -> None:
+    from scheduler import RequestSnapshot
+
+    c = Core(snapshot_retry_s=1.0)
+    c.worker("p", "prefill")
+    c.core.on_kv_snapshot(_snapshot("p", 1, [7, 8]), c.clock.now)
+    assert c.core.index.match([7, 8])["p"].device_blocks == 2
+    c.core.on_snapshot_failed("p", c.clock.now)
+    assert c.core.index.match([7, 8]) == {}  # under-reports until it hears again
+    assert not [a for a in c.core.tick(c.clock.now) if isinstance(a, RequestSnapshot)]
+    c.clock.advance(1.1)
+    assert [a.worker_id for a in c.core.tick(c.clock.now) if isinstance(a, RequestSnapshot)] == ["p"]
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)
