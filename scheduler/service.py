@@ -36,7 +36,17 @@ from nats.aio.client import Client
 from observability import tracing
 from observability.bus import BusStats, connect, subscribe
 from scheduler.config import SchedulerConfig
-from scheduler.core import Action, Dispatch, DispatchOutcome, FailStream, RequestSnapshot, SchedulerCore
+from scheduler.core import (
+    Action,
+    BindSession,
+    Dispatch,
+    DispatchOutcome,
+    FailStream,
+    RequestSnapshot,
+    SchedulerCore,
+)
+from scheduler.session_store import SessionStore
+from scheduler.sessions import Binding
 from schemas import (
     Cancel,
     KvSnapshot,
@@ -92,6 +102,8 @@ class SchedulerService:
         self._tokens = itertools.count()
         self._nc: Client | None = None
         self._snapshots_send, self._snapshots_receive = anyio.create_memory_object_stream[str](_SNAPSHOT_QUEUE)
+        self._bindings_send, self._bindings_receive = anyio.create_memory_object_stream[Binding](_SNAPSHOT_QUEUE)
+        self._sessions = SessionStore(None)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with connect(self.config.nats_url, self.scheduler_id, self.stats) as nc:
@@ -102,6 +114,8 @@ class SchedulerService:
                 cancels = await subscribe(nc, subjects.CANCEL)
                 acks = await subscribe(nc, f"{self._ack_inbox}.*")
                 kv_events = await subscribe(nc, subjects.KV_EVENTS)
+                await self._restore_sessions(nc)
+                tg.start_soon(self._persist_sessions)
                 tg.start_soon(self._serve_submits, submits)
                 tg.start_soon(self._serve_events, events)
                 tg.start_soon(self._serve_cancels, cancels)
@@ -232,6 +246,34 @@ class SchedulerService:
                     await self._fail_stream(action)
                 case RequestSnapshot():
                     await self._queue_snapshot(action.worker_id)
+                case BindSession(binding=binding):
+                    self._queue_binding(binding)
+
+    # --- sessions, kept in JetStream KV ---------------------------------------------
+
+    async def _restore_sessions(self, nc: Client) -> None:
+        self._sessions = await SessionStore.open(nc, self.config.core.session_ttl_s)
+        now = self._clock()
+        bindings = await self._sessions.load(now)
+        for binding in bindings:
+            self.core.restore_session(binding, now)
+        if bindings:
+            log.info("restored %d session bindings", len(bindings))
+
+    def _queue_binding(self, binding: Binding) -> None:
+        """Written by ``_persist_sessions``, off the request's path; dropped (logged) if
+        the writer is that far behind: the binding still holds in this scheduler."""
+        try:
+            self._bindings_send.send_nowait(binding)
+        except anyio.WouldBlock:
+            log.warning("session writer behind: binding of %s not persisted", binding.session)
+
+    async def _persist_sessions(self) -> None:
+        async for binding in self._bindings_receive:
+            try:
+                await self._sessions.put(binding, self._clock())
+            except Exception as exc:  # a JetStream hiccup must not stop the scheduler
+                log.warning("could not persist the binding of %s: %s", binding.session, exc)
 
     async def _queue_snapshot(self, worker_id: str) -> None:
         """Hand the request to a fetcher without waiting; if none can take it, it failed."""

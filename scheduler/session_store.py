@@ -16,7 +16,7 @@ import time
 import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
 from scheduler.sessions import Binding
@@ -71,7 +71,7 @@ class SessionStore:
             return []
         try:
             keys = await self._kv.keys()
-        except NotFoundError:  # an empty bucket
+        except (NoKeysError, NotFoundError):  # an empty bucket
             return []
         bindings = []
         wall = time.time()

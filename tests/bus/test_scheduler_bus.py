@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import anyio
+import msgspec
 import nats
 import pytest
 
@@ -170,3 +171,42 @@ async def test_a_short_prompt_is_prefilled_and_decoded_by_its_decode_worker(nats
         await _wait(lambda: not sched.core.requests)
         assert "unused-prefill" in sched.core.workers  # never dispatched to
         tg.cancel_scope.cancel()
+
+
+async def test_session_bindings_survive_a_scheduler_restart(nats):
+    def service():
+        return SchedulerService(SchedulerServiceConfig(nats_url=nats.url,
+                                                       core=SchedulerConfig(policy="round_robin")))
+
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        for _ in range(3):
+            await tg.start(build_worker(worker_config(nats.url, "prefill")).run)
+        await tg.start(build_worker(worker_config(nats.url, "decode")).run)
+        first = service()
+        async with anyio.create_task_group() as sched_group:
+            await sched_group.start(first.run)
+            await _wait(lambda: len(first.core.workers) == 4)
+            spec = msgspec.structs.replace(_spec("s1"), tenant="acme", session="agent-7")
+            await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec)))
+            home = first.core.sessions.lookup("acme", "agent-7", first._clock())
+            assert home is not None
+            await anyio.sleep(0.3)  # the writer puts the binding in the bucket
+            sched_group.cancel_scope.cancel()
+        second = service()
+        await tg.start(second.run)
+        assert second.core.sessions.lookup("acme", "agent-7", second._clock()) == home
+        assert second.core.sessions.lookup("other", "agent-7", second._clock()) is None
+        tg.cancel_scope.cancel()
+
+
+async def test_without_jetstream_the_scheduler_runs_without_persistence():
+    from switchyard.procs import nats_server
+
+    with nats_server(jetstream=False) as plain:
+        sched = SchedulerService(SchedulerServiceConfig(nats_url=plain.url))
+        async with anyio.create_task_group() as tg:
+            await tg.start(build_worker(worker_config(plain.url, "prefill")).run)
+            await tg.start(sched.run)
+            await _wait(lambda: len(sched.core.workers) == 1)
+            assert not sched._sessions.enabled
+            tg.cancel_scope.cancel()
