@@ -58,10 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    overhead = bench_sub.add_parser("overhead", help="what the fabric adds: TTFT, stream throughput, memory")
-    from bench.overhead import add_arguments
+    from bench import live, overhead, sim
 
-    add_arguments(overhead)
+    for name, module, help_ in (
+        ("overhead", overhead, "what the fabric adds: TTFT, stream throughput, memory"),
+        ("sim", sim, "replay a trace through the scheduler core over a simulated fleet"),
+        ("live", live, "replay a trace, time-scaled, through the running system and beside its simulation"),
+    ):
+        module.add_arguments(bench_sub.add_parser(name, help=help_))
     return parser
 
 
@@ -237,7 +241,7 @@ def _main(args: argparse.Namespace) -> int:
 
             run_service(build_worker(worker_config(args, args.nats)).run)
         case "bench":
-            from bench.overhead import run as run_overhead
+            from importlib import import_module
 
-            return run_overhead(args)
+            return import_module(f"bench.{args.bench}").run(args)
     return 0

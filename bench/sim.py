@@ -1,0 +1,283 @@
+"""``switchyard bench sim``: replay a real trace through the real scheduler core, in
+virtual time, over a simulated fleet; one run per placement policy.
+
+    switchyard bench sim --trace mooncake.jsonl --policies round_robin,switchyard \\
+        --prefill 4 --decode 2 --out bench/results/sim
+
+Each policy gets a fresh ``SchedulerCore`` and a fresh fleet (``bench.fleet``) whose
+times come from a cost model calibrated to NVIDIA's published H100 latencies for
+Llama-3.3-70B (``bench.costmodel``: the citation and the numbers). ``--colocated``
+runs the same number of GPUs as ``both`` workers, without disaggregation.
+
+Writes into ``--out``:
+- ``results.json``: one object per policy (hit ratio and its infinite-cache bound,
+  TTFT/TPOT percentiles, goodput, rejections, the index's bytes per block, ...).
+  Virtual-time results only: the same trace, flags and seed give the same file.
+- ``timing.json``: wall-clock figures (run time, the core's decisions per second),
+  which vary from run to run and so are kept apart.
+- ``ttft_cdf.png``, ``tpot_cdf.png``: the distributions per policy.
+and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from bench.costmodel import CostModel
+from bench.fleet import FleetShape
+from bench.replay import ReplayResult, ReplaySettings, replay
+from bench.traces import TraceRequest, hit_ratio_bound, read_trace
+from scheduler.config import SchedulerConfig
+
+DEFAULT_POLICIES = "round_robin,least_requests,least_tokens,prefix,switchyard"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, required=True, help="Mooncake JSONL or Azure CSV trace")
+    p.add_argument("--format", choices=["mooncake", "azure"], default=None, help="default: from the file")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated prefill placement policies")
+    p.add_argument("--prefill", type=_positive_int, default=4, help="prefill workers (model instances)")
+    p.add_argument("--decode", type=_positive_int, default=2, help="decode workers")
+    p.add_argument("--colocated", action="store_true",
+                   help="prefill+decode workers of role 'both' instead (no disaggregation)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/sim"), help="results folder")
+    p.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N requests")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply arrival times (below 1: the same trace, faster, more load)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="recorded, and passed to the core if its config has a seed (nothing here draws at random)")
+    p.add_argument("--cache-blocks", type=int, default=CostModel().kv_capacity_tokens // 512,
+                   help="prefix cache per worker, in 512-token blocks (default: its HBM KV capacity)")
+    p.add_argument("--prefill-token-budget", type=_positive_int, default=65_536,
+                   help="uncached tokens a prefill worker may hold in flight (its LoadReport token_budget)")
+    p.add_argument("--chunk-tokens", type=_positive_int, default=CostModel().chunk_tokens,
+                   help="tokens per engine iteration (vLLM max_num_batched_tokens)")
+    p.add_argument("--max-queued-tokens", type=_positive_int, default=SchedulerConfig().max_queued_tokens,
+                   help="the core's admission limit (429 past it)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="conditional disaggregation: prefill on the decode worker up to this many uncached tokens")
+    p.add_argument("--ttft-slo-s", type=float, default=2.0, help="goodput: time to first token at most this")
+    p.add_argument("--tpot-slo-s", type=float, default=0.05, help="goodput: time per output token at most this")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = parse_policies(args.policies)
+    if args.time_scale <= 0:
+        raise ValueError("--time-scale must be positive")
+    loaded = time.perf_counter()
+    requests = read_trace(args.trace, args.format, args.limit)
+    bound = hit_ratio_bound(requests)
+    mode = "colocated" if args.colocated else "disaggregated"
+    shape = FleetShape(args.prefill, args.decode, args.colocated, args.cache_blocks, args.prefill_token_budget)
+    print(f"{args.trace.name}: {len(requests)} requests over {_span(requests, args.time_scale):.0f} s "
+          f"(read in {time.perf_counter() - loaded:.1f} s), hit ratio bound {bound:.3f}; "
+          f"{mode} fleet {_describe(shape)}", flush=True)
+    cost = CostModel(chunk_tokens=args.chunk_tokens)
+    results, timings = [], []
+    for policy in policies:
+        settings = ReplaySettings(policy=policy, shape=shape, cost=cost, max_queued_tokens=args.max_queued_tokens,
+                                  local_prefill_max_tokens=args.local_prefill_max_tokens, seed=args.seed,
+                                  time_scale=args.time_scale)
+        result = replay(requests, settings, _progress_printer(policy))
+        results.append(summarize(result, bound, mode, args.ttft_slo_s, args.tpot_slo_s))
+        timings.append(timing_of(result))
+        print(f"  {policy}: done in {result.wall_s:.1f} s wall, {result.events} events", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    public = [{k: v for k, v in r.items() if not k.endswith("_samples_s")} for r in results]
+    (args.out / "results.json").write_text(json.dumps(public, indent=2) + "\n")
+    (args.out / "timing.json").write_text(json.dumps(timings, indent=2) + "\n")
+    print(table(results, timings), flush=True)
+    plot_cdfs(results, args.out)
+    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'timing.json'}, {args.out / 'ttft_cdf.png'}, "
+          f"{args.out / 'tpot_cdf.png'}")
+    return 0
+
+
+def parse_policies(text: str) -> list[str]:
+    """The policy names, checked against the core's registry before anything runs."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--policies is empty")
+    if "policy" not in SchedulerConfig.__struct_fields__:
+        raise ValueError("this scheduler core has no policy setting (SchedulerConfig.policy)")
+    from scheduler.policies import POLICIES
+
+    unknown = [name for name in names if name not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policy {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(POLICIES))}")
+    return names
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+def summarize(result: ReplayResult, bound: float, mode: str, ttft_slo_s: float, tpot_slo_s: float) -> dict:
+    requests, out = result.requests, result.outcomes
+    ttfts, tpots, good = [], [], 0
+    prompt = cached = 0
+    arrival = [r.arrival_s * result.settings.time_scale for r in requests]
+    for i, request in enumerate(requests):
+        if out.first_token[i] < 0:
+            continue
+        prompt += request.input_tokens
+        cached += out.cached[i]
+        if out.status[i] != "done":
+            continue
+        ttft = out.first_token[i] - arrival[i]
+        ttfts.append(ttft)
+        tpot = None
+        if request.output_tokens > 1:
+            tpot = (out.last_token[i] - out.first_token[i]) / (request.output_tokens - 1)
+            tpots.append(tpot)
+        if ttft <= ttft_slo_s and (tpot is None or tpot <= tpot_slo_s):
+            good += 1
+    span = max(arrival) - min(arrival) or 1.0
+    summary = {
+        "policy": result.settings.policy,
+        "mode": mode,
+        "requests": len(requests),
+        "completed": out.status.count("done"),
+        "rejected": out.status.count("rejected"),
+        "failed": out.status.count("failed"),
+        "unfinished": out.status.count("pending"),
+        "cache_hit_ratio": cached / prompt if prompt else 0.0,
+        "hit_ratio_bound": bound,
+    }
+    for name, values in (("ttft", ttfts), ("tpot", tpots)):
+        for p in (50, 90, 99):
+            summary[f"{name}_p{p}_s"] = percentile(values, p)
+        summary[f"{name}_mean_s"] = sum(values) / len(values) if values else None
+    busy = {w.worker_id: w.stats.busy_s / result.makespan_s if result.makespan_s else 0.0
+            for w in result.workers.values()}
+    summary |= {
+        "goodput_rps": good / span,
+        "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s},
+        "trace_span_s": span,
+        "makespan_s": result.makespan_s,
+        "dispatches": result.timing.dispatches,
+        "rejections": result.timing.rejections,
+        "decisions": result.timing.decisions,
+        "index_entries": result.index_entries,
+        "index_bytes": result.index_bytes,
+        "index_bytes_per_block": result.index_bytes / result.index_entries if result.index_entries else None,
+        "utilisation": busy,
+        "fleet": _fleet_record(result.settings),
+        "ttft_samples_s": ttfts,
+        "tpot_samples_s": tpots,
+    }
+    return summary
+
+
+def timing_of(result: ReplayResult) -> dict:
+    t = result.timing
+    return {"policy": result.settings.policy, "wall_s": result.wall_s, "events": result.events,
+            "core_wall_s": t.wall_s, "core_calls": t.calls, "decisions": t.decisions,
+            "decisions_per_s": t.decisions / t.wall_s if t.wall_s else None,
+            "us_per_core_call": 1e6 * t.wall_s / t.calls if t.calls else None,
+            "core_by_method": {name: {"calls": int(calls), "wall_s": wall, "us_per_call": 1e6 * wall / calls}
+                               for name, (calls, wall) in sorted(t.by_method.items())}}
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _fleet_record(settings: ReplaySettings) -> dict:
+    shape, cost = settings.shape, settings.cost
+    return {"roles": dict(sorted(_count_roles(shape).items())), "cache_blocks": shape.cache_blocks,
+            "prefill_token_budget": shape.prefill_token_budget, "kv_capacity_tokens": cost.kv_capacity_tokens,
+            "chunk_tokens": cost.chunk_tokens, "max_queued_tokens": settings.max_queued_tokens,
+            "local_prefill_max_tokens": settings.local_prefill_max_tokens, "time_scale": settings.time_scale,
+            "seed": settings.seed}
+
+
+def _count_roles(shape: FleetShape) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for role in shape.roles.values():
+        counts[role] = counts.get(role, 0) + 1
+    return counts
+
+
+def _describe(shape: FleetShape) -> str:
+    roles = ", ".join(f"{n} {role}" for role, n in _count_roles(shape).items())
+    return f"({roles}; {shape.cache_blocks} cache blocks each)"
+
+
+def _span(requests: list[TraceRequest], scale: float) -> float:
+    return (requests[-1].arrival_s - requests[0].arrival_s) * scale
+
+
+def _progress_printer(policy: str):
+    started = time.perf_counter()
+    marks = {}
+
+    def progress(done: int, total: int, now: float) -> None:
+        tenth = done * 10 // total
+        if tenth > marks.get("last", 0):
+            marks["last"] = tenth
+            print(f"  {policy}: {tenth * 10:>3}% of the trace arrived ({done}/{total}, "
+                  f"{now:.0f} s virtual, {time.perf_counter() - started:.1f} s wall)", flush=True)
+
+    return progress
+
+
+def table(results: list[dict], timings: list[dict]) -> str:
+    def ms(x: float | None) -> str:
+        return f"{x * 1e3:>8.0f}" if x is not None else f"{'-':>8}"
+
+    head = (f"{'policy':<15}{'mode':<14}{'hit':>6}{'bound':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+            f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}{'goodput':>8}{'rej':>6}{'wall s':>7}{'dec/s':>8}{'B/blk':>6}")
+    lines = ["", "times in ms; goodput in requests/s meeting the SLOs; dec/s = core decisions per wall second", head]
+    for r, t in zip(results, timings):
+        per_block = f"{r['index_bytes_per_block']:>6.0f}" if r["index_bytes_per_block"] else f"{'-':>6}"
+        rate = f"{t['decisions_per_s']:>8.0f}" if t["decisions_per_s"] else f"{'-':>8}"
+        lines.append(f"{r['policy']:<15}{r['mode']:<14}{r['cache_hit_ratio']:>6.3f}{r['hit_ratio_bound']:>6.3f}"
+                     f"{ms(r['ttft_p50_s']):>9}{ms(r['ttft_p90_s'])}{ms(r['ttft_p99_s'])}"
+                     f"{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p90_s'])}{ms(r['tpot_p99_s'])}"
+                     f"{r['goodput_rps']:>8.2f}{r['rejected']:>6}{t['wall_s']:>7.1f}{rate}{per_block}")
+    return "\n".join(lines)
+
+
+def plot_cdfs(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key, title, slo in (("ttft", "Time to first token", "ttft_s"), ("tpot", "Time per output token", "tpot_s")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in results:
+            xs = sorted(r[f"{key}_samples_s"])
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{r['policy']} ({r['mode']})")
+        if results:
+            ax.axvline(results[0]["slo"][slo], color="k", linestyle=":", label="SLO")
+        ax.set_xscale("log")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("fraction of completed requests")
+        ax.set_title(f"{title}, per policy (simulated fleet)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"{key}_cdf.png", dpi=120)
+        plt.close(fig)
+
+
+__all__ = ["add_arguments", "parse_policies", "percentile", "run", "summarize", "table"]
