@@ -15,9 +15,10 @@ come first served; its duration comes from ``CostModel.iteration_s``.
 Every worker has a bounded LRU prefix cache of block keys, looked up when a prompt's
 first chunk is scheduled and filled when its prefill ends. Prefill and ``both`` workers
 report its changes as ``KvEventBatch``es (seq from 1) and answer snapshots from it.
-Decode workers, like ``workers.decode`` today, report nothing (``NoKvCache``): their
-cache only serves their own local prefills. ``reports_kv=True`` makes a decode worker
-also keep the blocks handed to it and report them, to measure what that would give.
+Decode workers, like ``workers.decode``, keep the blocks handed to them (and those of
+their local prefills) and report them too, so conditional disaggregation finds a
+conversation's earlier turns where they were decoded; ``reports_kv=False`` turns that
+off, to measure what it gives.
 
 Sequences are not stepped one by one: a running sequence's finishing iteration is
 known when it joins (its join iteration + its remaining tokens), so an iteration costs
@@ -161,7 +162,7 @@ class SimWorker:
     def __init__(self, worker_id: str, role: Role, cost: CostModel, cache_blocks: int, loop: EventLoop,
                  sink: Sink, reports_kv: bool | None = None) -> None:
         self.worker_id, self.role, self.cost = worker_id, role, cost
-        self.reports_kv = role != "decode" if reports_kv is None else reports_kv
+        self.reports_kv = True if reports_kv is None else reports_kv
         self.cache = PrefixCache(cache_blocks)
         self._loop, self._sink = loop, sink
         self._prompts: deque[_Prompt] = deque()

@@ -140,10 +140,12 @@ class Replay:
     def _register(self) -> None:
         cost = self.settings.cost
         for wid, worker in self.workers.items():
-            budget = self.settings.shape.prefill_token_budget if worker.role == "prefill" else cost.kv_capacity_tokens
+            # prefill and colocated workers: a budget of uncached tokens in flight; decode
+            # workers (and the KV side of colocated ones): the KV tokens they can hold
+            budget = cost.kv_capacity_tokens if worker.role == "decode" else self.settings.shape.prefill_token_budget
             report = LoadReport(worker_id=wid, role=worker.role, seq=1, engine="sim", model=MODEL,
                                 block_size=TRACE_BLOCK_SIZE, token_budget=budget, inflight_tokens=0, running=0,
-                                interval_s=NEVER)
+                                interval_s=NEVER, kv_capacity_tokens=cost.kv_capacity_tokens)
             self._carry_out(self._call(self.core.on_event, report, 0.0), 0.0)
 
     def _arrive(self, i: int, now: float) -> None:

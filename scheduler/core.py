@@ -94,6 +94,11 @@ class SchedulerCore:
         self._arrivals = 0
         self._snapshots_asked: set[str] = set()
         self._snapshot_retry_at: dict[str, float] = {}  # worker -> when to ask again
+        # Placing the queue's head costs a pass over the fleet. When it fails, nothing can
+        # change the answer until capacity is freed or added, the head changes or the
+        # index learns something: those bump the epoch; the same epoch skips the pass.
+        self._epoch = 0
+        self._blocked_at: int | None = None
 
     # --- inputs ------------------------------------------------------------------
 
@@ -105,6 +110,7 @@ class SchedulerCore:
         tracked = Tracked(spec=spec, enqueued_at=now, order=self._arrivals)
         self.requests[spec.request_id] = tracked
         self._queue.push(tracked)
+        self._capacity_changed()  # it may be the new head
         tracked.phase = "queued"
         actions = self._drain_prefill(now)
         position = self._queue.position(tracked) if tracked.phase == "queued" else 0
@@ -134,6 +140,7 @@ class SchedulerCore:
     def on_kv_events(self, batch: KvEventBatch, now: float) -> list[Action]:
         """A worker's cache changed. A gap in its seq means we missed some: resync."""
         if self.index.apply(batch):
+            self._capacity_changed()  # a prompt may now fit where its prefix is
             return []
         return self._ask_snapshot(batch.worker_id)
 
@@ -141,6 +148,7 @@ class SchedulerCore:
         self._snapshots_asked.discard(snapshot.worker_id)
         if snapshot.worker_id in self.workers:
             self.index.load_snapshot(snapshot)
+            self._capacity_changed()
         return []
 
     def on_snapshot_failed(self, worker_id: str, now: float) -> list[Action]:
@@ -155,6 +163,7 @@ class SchedulerCore:
     def restore_session(self, binding: Binding, now: float) -> None:
         """A binding persisted by an earlier scheduler."""
         self.sessions.restore(binding, now)
+        self._capacity_changed()
 
     def on_cancel(self, request_id: str, now: float) -> list[Action]:
         """The client went away; the workers heard the same cancel and stop on their own."""
@@ -173,6 +182,7 @@ class SchedulerCore:
         """
         tracked = self.requests.get(request_id)
         actions: list[Action] = []
+        self._capacity_changed()
         if tracked is not None and tracked.worker_id == worker_id and outcome != "timeout":
             if worker_id in self.workers:
                 self.workers[worker_id].release(request_id)
@@ -217,7 +227,8 @@ class SchedulerCore:
     def check_invariants(self) -> None:
         for worker in self.workers.values():
             assert worker.load_tokens == sum(worker.assigned.values()), worker.worker_id
-            for rid in worker.assigned:
+            assert worker.kv_tokens == sum(worker.held.values()), worker.worker_id
+            for rid in [*worker.assigned, *worker.held]:
                 assert self.requests[rid].worker_id == worker.worker_id, rid
         queued = self._queue.request_ids()
         assert self._queue.tokens == sum(self.requests[r].prompt_tokens for r in queued)
@@ -265,12 +276,18 @@ class SchedulerCore:
     def _drain(self, now: float) -> list[Action]:
         return self._drain_decode(now) + self._drain_prefill(now)
 
+    def _capacity_changed(self) -> None:
+        self._epoch += 1
+
     def _drain_prefill(self, now: float) -> list[Action]:
         actions: list[Action] = []
+        if self._blocked_at == self._epoch:
+            return actions
         while (rid := self._queue.head()) is not None:
             tracked = self.requests[rid]
             placement = self.placer.prefill(tracked, self.workers.values(), self._bound(tracked, now))
             if placement is None:
+                self._blocked_at = self._epoch
                 break  # the head waits; nobody jumps it
             self._queue.pop_head(tracked)
             actions += self._place_prefill(tracked, placement, now)
@@ -298,13 +315,17 @@ class SchedulerCore:
             return []  # cancelled meanwhile, or a stale result of a retried attempt
         worker = self.workers[done.worker_id]
         worker.release(done.request_id)
+        self._capacity_changed()
         self._learn_rate(worker, done)
         if done.finished:
             self._forget(done.request_id)
             return self._drain_prefill(now)
         tracked.prefill, tracked.attempts = done, 0
-        if tracked.local or worker.role == "both":
-            worker.assign(done.request_id, tracked.decode_tokens)  # decodes where it prefilled
+        if tracked.local or worker.role == "both":  # decodes where it prefilled
+            if worker.role == "both":
+                worker.hold(done.request_id, tracked.decode_tokens)
+            else:
+                worker.assign(done.request_id, tracked.decode_tokens)
             tracked.phase = "decode"
             return self._drain_prefill(now)
         tracked.phase, tracked.worker_id = "awaiting_decode", None
@@ -364,9 +385,13 @@ class SchedulerCore:
             worker = WorkerState(worker_id=report.worker_id, role=report.role,
                                  token_budget=report.token_budget, block_size=report.block_size,
                                  last_seen=now, prefill_rate=self.config.default_prefill_tokens_per_s)
+            self._capacity_changed()
             self.workers[report.worker_id] = worker
             actions += self._ask_snapshot(report.worker_id)  # a full dump when a worker joins
+        if report.token_budget != worker.token_budget:
+            self._capacity_changed()
         worker.token_budget, worker.last_seen = report.token_budget, now
+        worker.kv_capacity = report.kv_capacity_tokens or report.token_budget
         worker.last_seq = report.seq
         known = self.index.last_seq(report.worker_id)
         if known is not None and report.kv_seq > known:  # its last batch never reached us
@@ -392,8 +417,9 @@ class SchedulerCore:
         self.sessions.forget_worker(worker_id)
         self._snapshots_asked.discard(worker_id)
         self._snapshot_retry_at.pop(worker_id, None)
+        self._capacity_changed()
         actions: list[Action] = []
-        for rid in list(worker.assigned):
+        for rid in [*worker.assigned, *worker.held]:
             actions += self._retry_or_fail(self.requests[rid], "worker_lost", now)
         return actions + self._drain(now)
 
@@ -402,6 +428,7 @@ class SchedulerCore:
         can_retry = tracked.attempts < self.config.max_dispatch_attempts
         if tracked.phase == "prefill" and can_retry:
             self._queue.push(tracked, front=True)
+            self._capacity_changed()  # a new head
             tracked.phase, tracked.worker_id, tracked.local = "queued", None, False
             return []
         if tracked.phase == "decode" and code == "dispatch_failed" and can_retry and not tracked.local:
@@ -416,6 +443,7 @@ class SchedulerCore:
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
             return
+        self._capacity_changed()
         if tracked.worker_id is not None and tracked.worker_id in self.workers:
             self.workers[tracked.worker_id].release(request_id)
         if tracked.phase == "queued":

@@ -12,7 +12,6 @@ Decode: the decode worker holding the fewest KV tokens against its capacity.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -38,26 +37,30 @@ class Placer:
 
     def prefill(self, request: Tracked, workers: Iterable[WorkerState], bound_worker: str | None) -> Placement | None:
         workers = list(workers)
-        view = PlacementView(matches=self.index.match(request.spec.block_keys), block_size=request.spec.block_size,
-                             prefill_rate=lambda w: w.prefill_rate, fetch_credit=self.config.fetch_credit)
+        matches = self.index.match(request.spec.block_keys)
+        view = PlacementView(matches=matches, block_size=request.spec.block_size,
+                             prefill_rate=lambda w: w.prefill_rate, fetch_credit=self.config.fetch_credit,
+                             prompt_tokens=request.prompt_tokens)
         local = self._local(request, workers, view)
         if local is not None:
             return local
-        need = {w.worker_id: self._compute_tokens(w, request, view) for w in workers if w.role != "decode"}
-        fitting = [w for w in workers if w.worker_id in need and w.fits(need[w.worker_id])]
+        fitting = [w for w in workers if w.role != "decode" and w.fits(view.need(w))
+                   and (w.role != "both" or w.kv_room(request.decode_tokens))]
         if not fitting:
             return None
-        chosen = self._bound(fitting, bound_worker, need) or self.policy.choose(request, fitting, view)
-        return Placement(chosen, "prefill", need[chosen.worker_id])
+        chosen = self._bound(fitting, bound_worker, view) or self.policy.choose(request, fitting, view)
+        return Placement(chosen, "prefill", view.need(chosen))
 
     def decode(self, request: Tracked, workers: Iterable[WorkerState]) -> WorkerState | None:
         fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)]
         return min(fitting, key=decode_cost) if fitting else None
 
-    def _bound(self, fitting: list[WorkerState], bound_worker: str | None, need: dict[str, int]) -> WorkerState | None:
+    def _bound(self, fitting: list[WorkerState], bound_worker: str | None, view: PlacementView) -> WorkerState | None:
+        if bound_worker is None:
+            return None
         for worker in fitting:
             if worker.worker_id == bound_worker:
-                after = worker.load_tokens + need[worker.worker_id]
+                after = worker.load_tokens + view.need(worker)
                 return worker if after <= self.config.session_max_load * worker.token_budget else None
         return None
 
@@ -66,12 +69,7 @@ class Placer:
         if limit <= 0:
             return None
         fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)
-                   and view.uncached_tokens(w, request) <= limit]
+                   and view.uncached_tokens(w) <= limit]
         if not fitting:
             return None
         return Placement(min(fitting, key=decode_cost), "local", request.decode_tokens)
-
-    @staticmethod
-    def _compute_tokens(worker: WorkerState, request: Tracked, view: PlacementView) -> int:
-        # At least one: even a fully cached prompt computes its last token.
-        return max(1, math.ceil(view.uncached_tokens(worker, request)))

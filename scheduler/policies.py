@@ -20,6 +20,7 @@ whichever policy runs (see ``SchedulerCore``).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,24 +33,36 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PlacementView:
+    """One request's placement inputs. Only workers the index matched cost any work to
+    look at: every other worker must compute the whole prompt (the common case in a
+    large fleet, kept O(1) per worker)."""
+
     matches: Mapping[str, WorkerMatch]  # worker id -> its cached prefix of this prompt
     block_size: int
     prefill_rate: Callable[[WorkerState], float]  # tokens/s
     fetch_credit: float  # share of a fetchable block's compute that fetching saves
+    prompt_tokens: int
 
     def cached_tokens(self, worker_id: str) -> int:
         match = self.matches.get(worker_id)
         return match.device_blocks * self.block_size if match else 0
 
-    def uncached_tokens(self, worker: WorkerState, request: Tracked) -> float:
+    def uncached_tokens(self, worker: WorkerState) -> float:
         """Prompt tokens this worker must compute: device hits are free, blocks on its
         host/disk tier or in the cluster store cost only what fetching them costs."""
         match = self.matches.get(worker.worker_id)
         if match is None:
-            return float(request.prompt_tokens)
+            return float(self.prompt_tokens)
         fetchable = (match.blocks - match.device_blocks) * self.block_size
         device = match.device_blocks * self.block_size
-        return max(0.0, request.prompt_tokens - device - self.fetch_credit * fetchable)
+        return max(0.0, self.prompt_tokens - device - self.fetch_credit * fetchable)
+
+    def need(self, worker: WorkerState) -> int:
+        """What the worker's ledger would hold: at least one token, since even a fully
+        cached prompt computes its last token."""
+        if worker.worker_id not in self.matches:
+            return max(1, self.prompt_tokens)
+        return max(1, math.ceil(self.uncached_tokens(worker)))
 
 
 class PrefillPolicy(Protocol):
@@ -62,12 +75,14 @@ class RoundRobin:
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._turn = 0
+        self._last = ""
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
-        ordered = sorted(candidates, key=lambda w: w.worker_id)
-        self._turn += 1
-        return ordered[self._turn % len(ordered)]
+        # The next id after the last one chosen, wrapping: fair whatever the candidates.
+        later = [w for w in candidates if w.worker_id > self._last]
+        chosen = min(later or candidates, key=lambda w: w.worker_id)
+        self._last = chosen.worker_id
+        return chosen
 
 
 class LeastRequests:
@@ -117,7 +132,7 @@ class Switchyard:
     @staticmethod
     def cost(worker: WorkerState, request: Tracked, view: PlacementView) -> float:
         queued = worker.load_tokens  # the ledger holds uncached tokens placed and not yet done
-        mine = view.uncached_tokens(worker, request)
+        mine = view.uncached_tokens(worker)
         rate = view.prefill_rate(worker)
         cost = (queued + mine) / rate
         if log.isEnabledFor(logging.DEBUG):

@@ -27,14 +27,28 @@ class WorkerState:
     assigned: dict[str, int] = field(default_factory=dict)  # request_id -> tokens
     load_tokens: int = 0
     prefill_rate: float = 8_000.0  # uncached tokens/s it computes, learned from its results
+    # A colocated ("both") worker's second ledger: KV tokens of the sequences it decodes,
+    # against its KV capacity, apart from the prefill tokens its budget bounds.
+    kv_capacity: int = 0
+    held: dict[str, int] = field(default_factory=dict)
+    kv_tokens: int = 0
 
     def assign(self, request_id: str, tokens: int) -> None:
         assert request_id not in self.assigned, request_id
         self.assigned[request_id] = tokens
         self.load_tokens += tokens
 
+    def hold(self, request_id: str, tokens: int) -> None:
+        assert request_id not in self.held, request_id
+        self.held[request_id] = tokens
+        self.kv_tokens += tokens
+
     def release(self, request_id: str) -> None:
         self.load_tokens -= self.assigned.pop(request_id, 0)
+        self.kv_tokens -= self.held.pop(request_id, 0)
+
+    def kv_room(self, tokens: int) -> bool:
+        return not self.held or self.kv_tokens + tokens <= self.kv_capacity
 
     def fits(self, tokens: int) -> bool:
         """Within budget, or idle: a prompt larger than any budget still runs, alone."""

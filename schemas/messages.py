@@ -164,6 +164,7 @@ class LoadReport(_Wire, tag="load"):
     running: int
     interval_s: float
     kv_seq: int = 0  # the last KvEventBatch it published: a lost last batch shows here
+    kv_capacity_tokens: int = 0  # KV tokens it can hold decoding; 0: its token_budget (decode)
 
 
 class PrefillDone(_Wire, tag="prefill_done"):

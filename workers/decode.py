@@ -122,9 +122,9 @@ class DecodeRole:
                 await self._wake.wait()
             if self._local:
                 await self._prefill_local(bus)
-                await bus.kv_changes()
             if not self.engine.running:
                 continue
+            await bus.kv_changes()  # blocks handed over or computed here since the last step
             finished = self._absorb(await self.engine.step())
             now = time.monotonic()
             if finished or not self.engine.running or now - self._last_publish >= self.min_publish_interval_s:

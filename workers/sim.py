@@ -161,7 +161,10 @@ class SimEngine:
         return self._held
 
     def add(self, task: DecodeTask) -> None:
+        """Start decoding. The prompt's blocks were handed over (or computed here): they
+        are in this worker's cache now, where the next turn of a conversation may hit."""
         spec = task.spec
+        self._remember(spec.block_keys)
         seq = _Sequence(key=sampling_key(task), next_position=1, max_tokens=spec.sampling.max_tokens,
                         tokens=len(spec.prompt_tokens) + spec.sampling.max_tokens)
         self._running[spec.request_id] = seq

@@ -104,12 +104,12 @@ def test_colocated_prefill_chunks_slow_the_decodes_sharing_their_iterations():
     assert disturbed > 2 * alone  # 20,000 prompt tokens ride in a's iterations
 
 
-def test_decode_workers_report_no_kv_unless_asked_like_workers_decode():
+def test_decode_workers_keep_and_report_the_blocks_handed_to_them_like_workers_decode():
     requests = [TraceRequest(0.0, 1000, 3, (1, 2))]
-    quiet = replay(requests, settings("round_robin"))
-    assert quiet.workers["decode-0"].snapshot().blocks == {}
-    assert quiet.workers["prefill-0"].snapshot().blocks == {"device": quiet.workers["prefill-0"].cache.keys()}
-    assert quiet.index_entries == 2  # the prefill worker's two blocks
+    run = replay(requests, settings("round_robin"))
+    for wid in ("decode-0", "prefill-0"):
+        assert run.workers[wid].snapshot().blocks == {"device": run.workers[wid].cache.keys()}
+    assert run.index_entries == 4  # both workers' two blocks
 
 
 def test_the_model_reproduces_the_published_inter_token_latencies():

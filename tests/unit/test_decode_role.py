@@ -22,12 +22,16 @@ class RecordingBus:
     def __init__(self) -> None:
         self.batches: list[tuple[str, list]] = []
         self.events: list = []
+        self.kv_reports = 0
 
     async def stream(self, ingress_id, chunks) -> None:
         self.batches.append((ingress_id, list(chunks)))
 
     async def event(self, event) -> None:
         self.events.append(event)
+
+    async def kv_changes(self) -> None:
+        self.kv_reports += 1
 
 
 def _task(rid: str, ingress: str, max_tokens: int) -> DecodeTask:

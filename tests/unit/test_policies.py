@@ -25,9 +25,10 @@ def tracked(prompt_len: int = 1600) -> Tracked:
     return Tracked(spec=make_spec(prompt_len=prompt_len), enqueued_at=0.0, order=1)
 
 
-def view(matches: dict[str, tuple[int, int]] | None = None, credit: float = 0.8) -> PlacementView:
+def view(matches: dict[str, tuple[int, int]] | None = None, credit: float = 0.8, prompt: int = 1600) -> PlacementView:
     found = {wid: WorkerMatch(wid, device, blocks) for wid, (device, blocks) in (matches or {}).items()}
-    return PlacementView(matches=found, block_size=16, prefill_rate=lambda w: w.prefill_rate, fetch_credit=credit)
+    return PlacementView(matches=found, block_size=16, prefill_rate=lambda w: w.prefill_rate, fetch_credit=credit,
+                         prompt_tokens=prompt)
 
 
 def test_registry_names_and_unknown_policy() -> None:
@@ -41,7 +42,7 @@ def test_registry_names_and_unknown_policy() -> None:
 def test_round_robin_cycles_in_id_order() -> None:
     policy, ws = make_policy("round_robin"), [worker("b"), worker("a"), worker("c")]
     chosen = [policy.choose(tracked(), ws, view()).worker_id for _ in range(6)]
-    assert chosen == ["b", "c", "a", "b", "c", "a"]
+    assert chosen == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_least_requests_and_least_tokens_differ() -> None:
@@ -51,10 +52,12 @@ def test_least_requests_and_least_tokens_differ() -> None:
 
 
 def test_uncached_tokens_credit_device_and_fetchable_blocks() -> None:
-    v, w, t = view({"a": (50, 80)}, credit=0.5), worker("a"), tracked(prompt_len=1600)
+    v, w = view({"a": (50, 80)}, credit=0.5), worker("a")
     # 100 blocks of 16: 50 on device (free), 30 more fetchable (half price), 20 to compute.
-    assert v.uncached_tokens(w, t) == 1600 - 800 - 0.5 * 480
-    assert v.uncached_tokens(worker("b"), t) == 1600
+    assert v.uncached_tokens(w) == 1600 - 800 - 0.5 * 480
+    assert v.uncached_tokens(worker("b")) == 1600
+    assert v.need(w) == 560 and v.need(worker("b")) == 1600
+    assert view({"a": (100, 100)}).need(w) == 1  # fully cached: still its last token
 
 
 def test_prefix_follows_the_cache_while_balanced() -> None:

@@ -206,9 +206,25 @@ def test_colocated_workers_decode_where_they_prefill() -> None:
     assert isinstance(reply, Admitted)
     (_, home), = dispatches(actions, PrefillTask)
     assert c.event(prefill_done(spec, home)) == []
-    assert c.core.requests["a"].phase == "decode" and c.core.workers[home].load_tokens == 120
+    w = c.core.workers[home]
+    # two ledgers: its prefill budget is free again, its KV holds the sequence
+    assert c.core.requests["a"].phase == "decode" and (w.load_tokens, w.kv_tokens) == (0, 120)
     c.event(request_finished(spec, home))
-    assert c.core.workers[home].load_tokens == 0
+    assert (w.load_tokens, w.kv_tokens) == (0, 0)
+
+
+def test_a_colocated_worker_with_full_kv_takes_no_new_prompt() -> None:
+    from factories import load_report
+
+    c = Core()
+    c.core.on_event(msgspec_replace(load_report("w", "both", budget=1000, seq=1), kv_capacity_tokens=150),
+                    c.clock.now)
+    first = make_spec("a", prompt_len=100, max_tokens=20)
+    c.submit(first)
+    c.event(prefill_done(first, "w"))
+    _, actions = c.submit(make_spec("b", prompt_len=100, max_tokens=20))  # 120 + 120 > 150 KV
+    assert dispatches(actions) == [] and c.core.requests["b"].phase == "queued"
+    assert [r for r, _ in dispatches(c.event(request_finished(first, "w")))] == ["b"]
 
 
 def test_colocated_alone_counts_as_both_roles_for_admission() -> None:

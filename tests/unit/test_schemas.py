@@ -45,7 +45,8 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
     ("task_ack", codec.TASK_ACK, m.TaskAck(request_id="r-42", accepted=True, reason="fine")),
     ("load", codec.WORKER_EVENT, m.LoadReport(
         worker_id="p-1", role="decode", seq=9, engine="sim", model="sim-tiny", block_size=32,
-        token_budget=5000, inflight_tokens=123, running=4, interval_s=0.25, kv_seq=12)),
+        token_budget=5000, inflight_tokens=123, running=4, interval_s=0.25, kv_seq=12,
+        kv_capacity_tokens=90_000)),
     ("prefill_done", codec.WORKER_EVENT, m.PrefillDone(
         worker_id="p-1", request_id="r-42", handle=HANDLE, first_token=777, usage=USAGE,
         finished=True)),
