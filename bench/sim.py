@@ -30,7 +30,7 @@ from pathlib import Path
 from bench.costmodel import CostModel
 from bench.fleet import FleetShape
 from bench.replay import ReplayResult, ReplaySettings, replay
-from bench.traces import TraceRequest, hit_ratio_bound, read_trace
+from bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio, read_trace
 from scheduler.config import SchedulerConfig
 
 DEFAULT_POLICIES = "round_robin,least_requests,least_tokens,prefix,switchyard"
@@ -80,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
     bound = hit_ratio_bound(requests)
     mode = "colocated" if args.colocated else "disaggregated"
     shape = FleetShape(args.prefill, args.decode, args.colocated, args.cache_blocks, args.prefill_token_budget)
+    # What caches of the prefill-capable workers' total size could hold at best: one LRU.
+    prefill_capable = args.prefill + args.decode if args.colocated else args.prefill
+    fleet_bound = lru_hit_ratio(requests, prefill_capable * args.cache_blocks)
     print(f"{args.trace.name}: {len(requests)} requests over {_span(requests, args.time_scale):.0f} s "
-          f"(read in {time.perf_counter() - loaded:.1f} s), hit ratio bound {bound:.3f}; "
+          f"(read in {time.perf_counter() - loaded:.1f} s), hit ratio bound {bound:.3f} "
+          f"(one LRU of the fleet's {prefill_capable * args.cache_blocks} prefill cache blocks: {fleet_bound:.3f}); "
           f"{mode} fleet {_describe(shape)}", flush=True)
     cost = CostModel(chunk_tokens=args.chunk_tokens)
     results, timings = [], []
@@ -90,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
                                   local_prefill_max_tokens=args.local_prefill_max_tokens, seed=args.seed,
                                   time_scale=args.time_scale)
         result = replay(requests, settings, _progress_printer(policy))
-        results.append(summarize(result, bound, mode, args.ttft_slo_s, args.tpot_slo_s))
+        results.append(summarize(result, bound, mode, args.ttft_slo_s, args.tpot_slo_s)
+                       | {"hit_ratio_bound_fleet_cache": fleet_bound})
         timings.append(timing_of(result))
         print(f"  {policy}: done in {result.wall_s:.1f} s wall, {result.events} events", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -243,13 +248,15 @@ def table(results: list[dict], timings: list[dict]) -> str:
     def ms(x: float | None) -> str:
         return f"{x * 1e3:>8.0f}" if x is not None else f"{'-':>8}"
 
-    head = (f"{'policy':<15}{'mode':<14}{'hit':>6}{'bound':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+    head = (f"{'policy':<15}{'mode':<14}{'hit':>6}{'bound':>6}{'fleet':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
             f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}{'goodput':>8}{'rej':>6}{'wall s':>7}{'dec/s':>8}{'B/blk':>6}")
-    lines = ["", "times in ms; goodput in requests/s meeting the SLOs; dec/s = core decisions per wall second", head]
+    lines = ["", "times in ms; goodput in requests/s meeting the SLOs; dec/s = core decisions per wall second;",
+             "bound: infinite cache; fleet: one LRU as large as all prefill caches together", head]
     for r, t in zip(results, timings):
         per_block = f"{r['index_bytes_per_block']:>6.0f}" if r["index_bytes_per_block"] else f"{'-':>6}"
         rate = f"{t['decisions_per_s']:>8.0f}" if t["decisions_per_s"] else f"{'-':>8}"
         lines.append(f"{r['policy']:<15}{r['mode']:<14}{r['cache_hit_ratio']:>6.3f}{r['hit_ratio_bound']:>6.3f}"
+                     f"{r.get('hit_ratio_bound_fleet_cache', float('nan')):>6.3f}"
                      f"{ms(r['ttft_p50_s']):>9}{ms(r['ttft_p90_s'])}{ms(r['ttft_p99_s'])}"
                      f"{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p90_s'])}{ms(r['tpot_p99_s'])}"
                      f"{r['goodput_rps']:>8.2f}{r['rejected']:>6}{t['wall_s']:>7.1f}{rate}{per_block}")

@@ -107,3 +107,14 @@ def test_block_keys_keep_sharing_within_a_tenant_and_separate_tenants():
     assert block_keys((1, 2), salt)[1] != block_keys((1, 3), salt)[1]
     assert not set(block_keys((1, 2), salt)) & set(block_keys((1, 2), other))
     assert all(0 <= key < 2**64 for key in block_keys(tuple(range(100)), salt))
+
+
+def test_lru_hit_ratio_is_bounded_by_the_infinite_cache_and_shrinks_with_the_cache():
+    from bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio
+
+    a, b = (1, 2, 3), (4, 5, 6)
+    requests = [TraceRequest(float(i), 1536, 1, ids) for i, ids in enumerate([a, b, a, b])]
+    assert hit_ratio_bound(requests) == pytest.approx(0.5)
+    assert lru_hit_ratio(requests, 100) == pytest.approx(0.5)  # room for all: the bound
+    assert lru_hit_ratio(requests, 3) == 0.0  # a and b keep evicting each other
+    assert lru_hit_ratio(requests, 6) == pytest.approx(0.5)
