@@ -44,12 +44,19 @@ class Placer:
         local = self._local(request, workers, view)
         if local is not None:
             return local
-        fitting = [w for w in workers if w.role != "decode" and w.fits(view.need(w))
-                   and (w.role != "both" or w.kv_room(request.decode_tokens))]
+        fitting = [w for w in workers if w.role != "decode" and self._fits(w, request, view)]
         if not fitting:
             return None
         chosen = self._bound(fitting, bound_worker, view) or self.policy.choose(request, fitting, view)
         return Placement(chosen, "prefill", view.need(chosen))
+
+    @staticmethod
+    def _fits(worker: WorkerState, request: Tracked, view: PlacementView) -> bool:
+        # Inlined for unmatched workers (most of a large fleet): the whole prompt is theirs.
+        need = view.need(worker) if worker.worker_id in view.matches else max(1, view.prompt_tokens)
+        load = worker.load_tokens
+        fits = load == 0 or load + need <= worker.token_budget
+        return fits and (worker.role != "both" or worker.kv_room(request.decode_tokens))
 
     def decode(self, request: Tracked, workers: Iterable[WorkerState]) -> WorkerState | None:
         fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)]
