@@ -157,25 +157,14 @@ def hit_ratio_bound(requests: list[TraceRequest]) -> float:
     ``shared/data/README.md`` quotes the same count in blocks (0.366 on the Mooncake
     conversation trace, 0.374 in tokens).
     """
-    seen: set[int] = set()
-    hit = total = 0
-    for request in requests:
-        blocks = 0
-        for block in request.block_ids:
-            if block not in seen:
-                break
-            blocks += 1
-        hit += min(blocks * TRACE_BLOCK_SIZE, request.input_tokens)
-        total += request.input_tokens
-        seen.update(request.block_ids)
-    return hit / total if total else 0.0
+    return lru_hit_ratio(requests, None)
 
 
-def lru_hit_ratio(requests: list[TraceRequest], capacity_blocks: int) -> float:
-    """The same count with one LRU cache of ``capacity_blocks`` shared by the whole fleet:
-    what a fleet whose caches add up to that many blocks could at best serve, if placement
-    were perfect and no block were held twice. ``shared/data/README.md`` quotes it in blocks
-    for 10k / 50k / 100k (0.211 / 0.355 / 0.364)."""
+def lru_hit_ratio(requests: list[TraceRequest], capacity_blocks: int | None) -> float:
+    """The same count with one LRU cache of ``capacity_blocks`` (None: unbounded) shared by
+    the whole fleet: what a fleet whose caches add up to that many blocks could at best
+    serve, if placement were perfect and no block were held twice. ``shared/data/README.md``
+    quotes it in blocks for 10k / 50k / 100k (0.211 / 0.355 / 0.364)."""
     from collections import OrderedDict
 
     cache: OrderedDict[int, None] = OrderedDict()
@@ -191,7 +180,7 @@ def lru_hit_ratio(requests: list[TraceRequest], capacity_blocks: int) -> float:
         for block in request.block_ids:
             cache[block] = None
             cache.move_to_end(block)
-        while len(cache) > capacity_blocks:
+        while capacity_blocks is not None and len(cache) > capacity_blocks:
             cache.popitem(last=False)
     return hit / total if total else 0.0
 

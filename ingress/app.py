@@ -15,7 +15,6 @@ import re
 import time
 import uuid
 
-import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import trace

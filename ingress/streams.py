@@ -21,8 +21,8 @@ import time
 from collections import deque
 
 import anyio
-import msgspec
 
+from observability.bus import decoded
 from schemas import PromptUsage, StreamChunk, StreamError, codec
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,7 @@ class StreamRouter:
         return len(self._inboxes)
 
     async def serve(self, sub) -> None:
-        async for msg in sub.messages:
-            try:
-                batch = codec.STREAM_BATCH.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable stream batch: %s", exc)
-                continue
+        async for msg, batch in decoded(sub, codec.STREAM_BATCH, "stream batch"):
             for chunk in batch.chunks:
                 self._route(chunk)
 

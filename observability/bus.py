@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 import nats
 from nats.aio.client import Client
 from nats.errors import SlowConsumerError
@@ -58,6 +59,18 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
                 with anyio.move_on_after(2):
                     await nc.flush()
             await nc.close()
+
+
+async def decoded(sub, codec, what: str):
+    """``(msg, message)`` for each message of ``sub`` that ``codec`` decodes; one that it
+    cannot is logged and skipped, never the end of the subscription's reader."""
+    async for msg in sub.messages:
+        try:
+            message = codec.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable %s on %s: %s", what, msg.subject, exc)
+            continue
+        yield msg, message
 
 
 async def subscribe(nc: Client, subject: str, queue: str = ""):

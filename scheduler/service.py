@@ -34,7 +34,7 @@ from anyio.abc import TaskStatus
 from nats.aio.client import Client
 
 from observability import tracing
-from observability.bus import BusStats, connect, subscribe
+from observability.bus import BusStats, connect, decoded, subscribe
 from scheduler.config import SchedulerConfig
 from scheduler.core import (
     Action,
@@ -48,7 +48,6 @@ from scheduler.core import (
 from scheduler.session_store import SessionStore
 from scheduler.sessions import Binding
 from schemas import (
-    Cancel,
     KvSnapshot,
     KvSnapshotRequest,
     RollCall,
@@ -134,12 +133,7 @@ class SchedulerService:
     # --- inputs --------------------------------------------------------------------
 
     async def _serve_submits(self, sub) -> None:
-        async for msg in sub.messages:
-            try:
-                request = codec.SCHEDULER_REQUEST.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable scheduler request: %s", exc)
-                continue
+        async for msg, request in decoded(sub, codec.SCHEDULER_REQUEST, "scheduler request"):
             match request:
                 case SubmitRequest(spec=spec):
                     ctx = tracing.extract(msg.headers)
@@ -155,21 +149,11 @@ class SchedulerService:
                     await msg.respond(codec.SCHEDULER_REPLY.encode(self.core.status()))
 
     async def _serve_events(self, sub) -> None:
-        async for msg in sub.messages:
-            try:
-                event = codec.WORKER_EVENT.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable worker event: %s", exc)
-                continue
+        async for msg, event in decoded(sub, codec.WORKER_EVENT, "worker event"):
             await self._act(self.core.on_event(event, self._clock()))
 
     async def _serve_cancels(self, sub) -> None:
-        async for msg in sub.messages:
-            try:
-                cancel: Cancel = codec.CANCEL.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable cancel: %s", exc)
-                continue
+        async for msg, cancel in decoded(sub, codec.CANCEL, "cancel"):
             await self._act(self.core.on_cancel(cancel.request_id, self._clock()))
 
     async def _serve_acks(self, sub) -> None:
@@ -190,12 +174,7 @@ class SchedulerService:
                 await self._dispatch_failed(pending, "refused")
 
     async def _serve_kv_events(self, sub) -> None:
-        async for msg in sub.messages:
-            try:
-                batch = codec.KV_EVENTS.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable KV events: %s", exc)
-                continue
+        async for msg, batch in decoded(sub, codec.KV_EVENTS, "KV events"):
             await self._act(self.core.on_kv_events(batch, self._clock()))
 
     async def _fetch_snapshots(self) -> None:

@@ -18,13 +18,12 @@ from collections import OrderedDict
 from typing import Protocol, runtime_checkable
 
 import anyio
-import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 from nats.errors import MaxPayloadError
 
-from observability.bus import BusStats, connect, subscribe
-from schemas import Cancel, LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
+from observability.bus import BusStats, connect, decoded, subscribe
+from schemas import LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
 from schemas.messages import TaskAck, WorkerEvent
 from workers.config import WorkerConfig
 from workers.kv_events import KvCacheView, KvReporter, NoKvCache
@@ -120,24 +119,14 @@ class WorkerRuntime:
         tg.start_soon(self._heartbeat, bus)
 
     async def _serve_tasks(self, sub) -> None:
-        async for msg in sub.messages:
-            try:
-                task = codec.WORKER_TASK.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable task: %s", exc)
-                continue
+        async for msg, task in decoded(sub, codec.WORKER_TASK, "task"):
             rid = task.spec.request_id
             refusal = "cancelled" if rid in self._cancelled else self.role.offer(task, msg.headers or {})
             ack = TaskAck(request_id=rid, accepted=refusal is None, reason=refusal or "")
             await msg.respond(codec.TASK_ACK.encode(ack))
 
     async def _serve_cancels(self, sub) -> None:
-        async for msg in sub.messages:
-            try:
-                cancel: Cancel = codec.CANCEL.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable cancel: %s", exc)
-                continue
+        async for msg, cancel in decoded(sub, codec.CANCEL, "cancel"):
             # Remembered, so a task that crosses the cancel on the wire is refused.
             self._cancelled[cancel.request_id] = None
             if len(self._cancelled) > _REMEMBERED_CANCELS:

@@ -6,7 +6,6 @@ import time
 
 import anyio
 import msgspec
-import nats
 import pytest
 
 from observability.bus import BusStats, connect
