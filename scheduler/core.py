@@ -343,7 +343,9 @@ class SchedulerCore:
 
     @staticmethod
     def _learn_rate(worker: WorkerState, done: PrefillDone) -> None:
-        computed = done.usage.prompt_tokens - done.usage.cached_tokens
+        # The batch's tokens over the batch's time: one request's own tokens over the
+        # time of a batch it shared would make a batching worker look slow.
+        computed = done.usage.batch_tokens or done.usage.prompt_tokens - done.usage.cached_tokens
         if computed > 0 and done.usage.prefill_s > 0:
             sample = computed / done.usage.prefill_s
             worker.prefill_rate = (1 - _RATE_WEIGHT) * worker.prefill_rate + _RATE_WEIGHT * sample

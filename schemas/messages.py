@@ -115,7 +115,8 @@ class PromptUsage(_Wire):
     prompt_tokens: int
     cached_tokens: int
     queued_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # of the batch it was computed in
+    batch_tokens: int = 0  # uncached tokens that batch computed in prefill_s (0: unknown)
 
 
 class PrefillTask(_Wire, tag="prefill"):

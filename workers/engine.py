@@ -19,7 +19,8 @@ class PrefillResult:
     first_token: int
     cached_tokens: int
     handle: KvHandle
-    prefill_s: float
+    prefill_s: float  # the batch's time
+    batch_tokens: int = 0  # uncached tokens the batch computed in that time
 
 
 @dataclass(frozen=True, slots=True)

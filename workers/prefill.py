@@ -17,8 +17,9 @@ import anyio
 from opentelemetry.trace import Span
 
 from observability import tracing
-from schemas import PrefillDone, PrefillFailed, PrefillTask, PromptUsage, StreamChunk, WorkerTask
+from schemas import PrefillDone, PrefillFailed, PrefillTask, StreamChunk, WorkerTask
 from workers.engine import PrefillEngine, PrefillResult
+from workers.handoff import first_token
 from workers.kv_events import KvCacheView, NoKvCache
 from workers.runtime import WorkerBus
 
@@ -114,15 +115,9 @@ class PrefillRole:
             if self._active.pop(spec.request_id, None) is None:
                 continue  # cancelled while computing
             self._tokens -= len(spec.prompt_tokens)
-            usage = PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=result.cached_tokens,
-                                queued_s=job.task.queued_s, prefill_s=result.prefill_s)
-            finished = spec.sampling.max_tokens <= 1
-            by_ingress.setdefault(spec.ingress_id, []).append(StreamChunk(
-                request_id=spec.request_id, seq=0, token_ids=[result.first_token],
-                finish_reason="length" if finished else None, usage=usage))
-            done.append(PrefillDone(worker_id=self.worker_id, request_id=spec.request_id,
-                                    handle=result.handle, first_token=result.first_token,
-                                    usage=usage, finished=finished))
+            chunk, prefilled = first_token(self.worker_id, job.task, result)
+            by_ingress.setdefault(spec.ingress_id, []).append(chunk)
+            done.append(prefilled)
             job.span.set_attribute("switchyard.cached_tokens", result.cached_tokens)
             job.span.end()
         # Token 0 reaches the ingress before the scheduler can start decode (same connection).

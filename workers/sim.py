@@ -103,14 +103,14 @@ class SimEngine:
         elapsed = time.monotonic() - started
         for task in tasks:
             self._remember(task.spec.block_keys)
-        return [self._result(t, c, elapsed) for t, c in zip(tasks, cached)]
+        return [self._result(t, c, elapsed, uncached) for t, c in zip(tasks, cached)]
 
-    def _result(self, task: PrefillTask, cached: int, elapsed: float) -> PrefillResult:
+    def _result(self, task: PrefillTask, cached: int, elapsed: float, batch_tokens: int) -> PrefillResult:
         spec = task.spec
         handle = SimKvHandle(worker_id=self.worker_id, block_keys=spec.block_keys,
                              num_tokens=len(spec.prompt_tokens))
         return PrefillResult(request_id=spec.request_id, first_token=self.token(sampling_key(task), 0),
-                             cached_tokens=cached, handle=handle, prefill_s=elapsed)
+                             cached_tokens=cached, handle=handle, prefill_s=elapsed, batch_tokens=batch_tokens)
 
     def _cached_tokens(self, task: PrefillTask) -> int:
         hits = 0

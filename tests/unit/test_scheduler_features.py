@@ -3,6 +3,8 @@ disaggregation, with factories and a fake clock."""
 
 from __future__ import annotations
 
+import pytest
+
 from factories import FakeClock, load_report, make_spec, prefill_done, request_finished
 from scheduler import BindSession, Dispatch, FailStream, SchedulerConfig, SchedulerCore
 from scheduler.sessions import Binding
@@ -280,3 +282,18 @@ def msgspec_replace(struct, **changes):
     import msgspec
 
     return msgspec.structs.replace(struct, **changes)
+
+
+def test_the_prefill_rate_is_learned_from_the_whole_batch() -> None:
+    from schemas import PromptUsage
+
+    c = Core(default_prefill_tokens_per_s=1000.0)
+    c.worker("p", "prefill")
+    c.worker("d", "decode")
+    spec = make_spec("a", prompt_len=100)
+    c.submit(spec)
+    done = prefill_done(spec, "p")
+    # 100 of its own tokens in a batch of 4,000 that took 0.5 s: the worker runs at 8,000 tok/s.
+    usage = PromptUsage(prompt_tokens=100, cached_tokens=0, prefill_s=0.5, batch_tokens=4000)
+    c.event(msgspec_replace(done, usage=usage))
+    assert c.core.workers["p"].prefill_rate == pytest.approx(0.8 * 1000 + 0.2 * 8000)

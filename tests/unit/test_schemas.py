@@ -26,7 +26,7 @@ SPEC = m.RequestSpec(
     tenant="acme", session="sess-1", priority=3, deadline_s=2.5,
 )
 HANDLE = m.SimKvHandle(worker_id="p-1", block_keys=[2**64 - 1, 3], num_tokens=5)
-USAGE = m.PromptUsage(prompt_tokens=5, cached_tokens=4, queued_s=0.125, prefill_s=0.5)
+USAGE = m.PromptUsage(prompt_tokens=5, cached_tokens=4, queued_s=0.125, prefill_s=0.5, batch_tokens=40)
 
 # (codec of the subject, message): each message is sent on exactly this subject.
 CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
