@@ -122,6 +122,9 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-decode-step-base-s", type=float, default=0.0)
     g.add_argument("--sim-decode-step-per-seq-s", type=float, default=0.0)
     g.add_argument("--sim-cache-blocks", type=_positive_int, default=4096)
+    g.add_argument("--sim-host-cache-blocks", type=int, default=0,
+                   help="a host-memory tier below the device prefix cache (0: none)")
+    g.add_argument("--sim-host-fetch-per-token-s", type=float, default=0.0)
 
 
 # --- config trees -------------------------------------------------------------------------
@@ -157,8 +160,10 @@ def worker_config(args: argparse.Namespace, nats_url: str):
     low = 256 if len(ordinary) > 512 else ordinary.start
     cost = SimCostModel(prefill_base_s=args.sim_prefill_base_s, prefill_per_token_s=args.sim_prefill_per_token_s,
                         decode_step_base_s=args.sim_decode_step_base_s,
-                        decode_step_per_seq_s=args.sim_decode_step_per_seq_s)
-    sim = SimEngineConfig(cost=cost, cache_blocks=args.sim_cache_blocks, token_low=low, token_high=ordinary.stop)
+                        decode_step_per_seq_s=args.sim_decode_step_per_seq_s,
+                        host_fetch_per_token_s=args.sim_host_fetch_per_token_s)
+    sim = SimEngineConfig(cost=cost, cache_blocks=args.sim_cache_blocks, host_cache_blocks=args.sim_host_cache_blocks,
+                          token_low=low, token_high=ordinary.stop)
     return WorkerConfig(nats_url=nats_url, role=args.role, model=tokenizer.info.name, engine=args.engine,
                         worker_id=args.worker_id, block_size=args.block_size, token_budget=args.token_budget,
                         report_interval_s=args.report_interval_s,

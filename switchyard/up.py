@@ -36,7 +36,9 @@ def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, l
               "--sim-prefill-per-token-s", str(args.sim_prefill_per_token_s),
               "--sim-decode-step-base-s", str(args.sim_decode_step_base_s),
               "--sim-decode-step-per-seq-s", str(args.sim_decode_step_per_seq_s),
-              "--sim-cache-blocks", str(args.sim_cache_blocks)]
+              "--sim-cache-blocks", str(args.sim_cache_blocks),
+              "--sim-host-cache-blocks", str(args.sim_host_cache_blocks),
+              "--sim-host-fetch-per-token-s", str(args.sim_host_fetch_per_token_s)]
     commands = [("scheduler", procs.service_command(
         "scheduler", *common, "--max-queued-tokens", str(args.max_queued_tokens),
         "--worker-expiry-s", str(args.worker_expiry_s), "--policy", args.policy,

@@ -4,6 +4,11 @@ Prefill time grows with the prompt tokens not found in a bounded LRU prefix cach
 (keyed by the chained block keys the ingress computed); a decode step's time grows
 with the batch. With every cost at zero it measures the fabric itself.
 
+The cache has two tiers, as vLLM with a CPU offload connector has: blocks pushed out
+of the device tier move down to an optional host tier (``host_cache_blocks``), from
+which a hit costs ``host_fetch_per_token_s`` instead of a recompute. Both tiers report
+their changes (``KvCacheView``), so the scheduler's index knows what is where.
+
 The prefix cache reports itself (``workers.kv_events.KvCacheView``): what it stored
 and evicted since last asked, netted per key so that the pending changes never
 outgrow the cache (a block stored and evicted between two reports is never told).
@@ -37,6 +42,7 @@ class SimCostModel(msgspec.Struct, frozen=True, kw_only=True):
     prefill_per_token_s: float = 0.0
     decode_step_base_s: float = 0.0
     decode_step_per_seq_s: float = 0.0
+    host_fetch_per_token_s: float = 0.0  # bringing a host-tier block back to the device
 
     def prefill_s(self, uncached_tokens: int) -> float:
         return self.prefill_base_s + self.prefill_per_token_s * uncached_tokens
@@ -48,6 +54,7 @@ class SimCostModel(msgspec.Struct, frozen=True, kw_only=True):
 class SimEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cost: SimCostModel = SimCostModel()
     cache_blocks: int = 4096
+    host_cache_blocks: int = 0  # a host-memory tier below the device cache (0: none)
     token_low: int = 256  # output tokens are drawn from [token_low, token_high)
     token_high: int = 4096
 
@@ -82,10 +89,8 @@ class SimEngine:
             raise ValueError(f"empty token range [{config.token_low}, {config.token_high})")
         self.config = config
         self.worker_id = worker_id
-        self._cache: OrderedDict[int, None] = OrderedDict()
-        # Changes since take_kv_events, net of each other: disjoint, each within the cache's size.
-        self._stored: dict[int, None] = {}  # absent at the last report, present now
-        self._removed: dict[int, None] = {}  # present at the last report, absent now
+        self._device = _TierCache("device", config.cache_blocks)
+        self._host = _TierCache("host", config.host_cache_blocks)  # capacity 0: holds nothing
         self._running: dict[str, _Sequence] = {}
         self._held = 0
 
@@ -97,9 +102,12 @@ class SimEngine:
 
     async def prefill(self, tasks: list[PrefillTask]) -> list[PrefillResult]:
         started = time.monotonic()
-        cached = [self._cached_tokens(t) for t in tasks]
+        hits = [self._hits(t) for t in tasks]  # (device tokens, host tokens) of each
+        cached = [device + host for device, host in hits]
         uncached = sum(len(t.spec.prompt_tokens) - c for t, c in zip(tasks, cached))
-        await anyio.sleep(self.config.cost.prefill_s(uncached))
+        fetched = sum(host for _, host in hits)
+        cost = self.config.cost
+        await anyio.sleep(cost.prefill_s(uncached) + cost.host_fetch_per_token_s * fetched)
         elapsed = time.monotonic() - started
         for task in tasks:
             self._remember(task.spec.block_keys)
@@ -112,43 +120,37 @@ class SimEngine:
         return PrefillResult(request_id=spec.request_id, first_token=self.token(sampling_key(task), 0),
                              cached_tokens=cached, handle=handle, prefill_s=elapsed, batch_tokens=batch_tokens)
 
-    def _cached_tokens(self, task: PrefillTask) -> int:
-        hits = 0
+    def _hits(self, task: PrefillTask) -> tuple[int, int]:
+        """Tokens of the prompt's leading blocks found on the device tier and on the host
+        tier (a prefix is only as good as its first miss)."""
+        device = host = 0
         for key in task.spec.block_keys:
-            if key not in self._cache:
+            if key in self._device:
+                self._device.touch(key)
+                device += 1
+            elif key in self._host:
+                host += 1
+            else:
                 break
-            self._cache.move_to_end(key)
-            hits += 1
-        return hits * task.spec.block_size
+        return device * task.spec.block_size, host * task.spec.block_size
 
     def _remember(self, keys: list[int]) -> None:
+        """The blocks are on the device now; what that pushes out moves down to the host."""
         for key in keys:
-            if key in self._removed:
-                del self._removed[key]  # back as it was at the last report
-            elif key not in self._cache:
-                self._stored[key] = None
-            self._cache[key] = None
-            self._cache.move_to_end(key)
-        while len(self._cache) > self.config.cache_blocks:
-            key, _ = self._cache.popitem(last=False)
-            if key in self._stored:
-                del self._stored[key]  # never reported: nothing to take back
-            else:
-                self._removed[key] = None
+            self._host.discard(key)
+            for evicted in self._device.add(key):
+                self._host.add(evicted)
 
     # --- cache reporting (KvCacheView) ------------------------------------------------
 
     def cached_blocks(self) -> dict[Tier, list[int]]:
-        return {"device": list(self._cache)}
+        blocks: dict[Tier, list[int]] = {"device": self._device.keys()}
+        if self._host.capacity:
+            blocks["host"] = self._host.keys()
+        return blocks
 
     def take_kv_events(self) -> list[KvEvent]:
-        events: list[KvEvent] = []
-        if self._stored:
-            events.append(BlocksStored(keys=list(self._stored), tier="device"))
-        if self._removed:
-            events.append(BlocksRemoved(keys=list(self._removed), tier="device"))
-        self._stored, self._removed = {}, {}
-        return events
+        return self._device.take_events() + self._host.take_events()
 
     # --- decode ----------------------------------------------------------------------
 
@@ -196,3 +198,60 @@ class _Sequence:
     next_position: int
     max_tokens: int
     tokens: int  # KV tokens it can come to hold
+
+
+class _TierCache:
+    """One tier's LRU of block keys, and its changes since they were last reported, net
+    of each other (a key stored and evicted in between is never reported)."""
+
+    def __init__(self, tier: Tier, capacity: int) -> None:
+        self.tier, self.capacity = tier, capacity
+        self._keys: OrderedDict[int, None] = OrderedDict()
+        self._stored: dict[int, None] = {}  # absent at the last report, present now
+        self._removed: dict[int, None] = {}  # present at the last report, absent now
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._keys
+
+    def keys(self) -> list[int]:
+        return list(self._keys)
+
+    def touch(self, key: int) -> None:
+        self._keys.move_to_end(key)
+
+    def add(self, key: int) -> list[int]:
+        """Store (or refresh) ``key``; returns the keys evicted to make room."""
+        if self.capacity <= 0:
+            return [key]
+        if key in self._removed:
+            del self._removed[key]  # back as it was at the last report
+        elif key not in self._keys:
+            self._stored[key] = None
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        evicted = []
+        while len(self._keys) > self.capacity:
+            old, _ = self._keys.popitem(last=False)
+            self._forget(old)
+            evicted.append(old)
+        return evicted
+
+    def discard(self, key: int) -> None:
+        if key in self._keys:
+            del self._keys[key]
+            self._forget(key)
+
+    def _forget(self, key: int) -> None:
+        if key in self._stored:
+            del self._stored[key]  # never reported: nothing to take back
+        else:
+            self._removed[key] = None
+
+    def take_events(self) -> list[KvEvent]:
+        events: list[KvEvent] = []
+        if self._stored:
+            events.append(BlocksStored(keys=list(self._stored), tier=self.tier))
+        if self._removed:
+            events.append(BlocksRemoved(keys=list(self._removed), tier=self.tier))
+        self._stored, self._removed = {}, {}
+        return events

@@ -24,6 +24,14 @@ def _spec(rid: str, ingress: str = "ing-test", tokens: int = 40, max_tokens: int
                        block_size=16, block_keys=[], sampling=SamplingParams(max_tokens=max_tokens))
 
 
+def _keyed(spec: RequestSpec, shift: int = 0) -> RequestSpec:
+    """The spec with (shifted) prompt tokens and their real chained block keys."""
+    from kvbus import block_keys, salt_for
+
+    tokens = [t + shift for t in spec.prompt_tokens]
+    return msgspec.structs.replace(spec, prompt_tokens=tokens, block_keys=block_keys(tokens, 16, salt_for("t", "m")))
+
+
 async def _register_impostor(nc, worker_id: str) -> None:
     """One heartbeat of an idle, roomy prefill worker that is not really there."""
     report = LoadReport(worker_id=worker_id, role="prefill", seq=1, engine="sim", model="m", block_size=16,
@@ -209,3 +217,24 @@ async def test_without_jetstream_the_scheduler_runs_without_persistence():
             await _wait(lambda: len(sched.core.workers) == 1)
             assert not sched._sessions.enabled
             tg.cancel_scope.cancel()
+
+
+async def test_the_index_learns_what_moved_down_to_the_host_tier(nats):
+    from workers.sim import SimEngineConfig
+
+    tiered = SimEngineConfig(token_low=256, token_high=4093, cache_blocks=3, host_cache_blocks=64)
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url))
+    prefill = build_worker(worker_config(nats.url, "prefill", sim=tiered))
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        await tg.start(sched.run)
+        await tg.start(prefill.run)
+        await tg.start(build_worker(worker_config(nats.url, "decode")).run)
+        await _wait(lambda: sched.core.index.knows(prefill.config.worker_id))
+        first, second = _keyed(_spec("a", tokens=48)), _keyed(_spec("b", tokens=48), shift=1000)
+        for spec in (first, second):  # 3 device blocks: the second pushes the first down to the host
+            await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec)))
+            await _wait(lambda: not sched.core.requests)
+        wid = prefill.config.worker_id
+        await _wait(lambda: (m := sched.core.index.match(first.block_keys).get(wid)) is not None
+                    and (m.device_blocks, m.blocks) == (0, 3))
+        tg.cancel_scope.cancel()

@@ -32,7 +32,7 @@ SIM = SimEngineConfig(token_low=256, token_high=4093)
 
 
 def worker_config(nats_url: str, role: str, cost: SimCostModel = SimCostModel(), **overrides) -> WorkerConfig:
-    sim = msgspec.structs.replace(SIM, cost=cost)
+    sim = msgspec.structs.replace(overrides.pop("sim", SIM), cost=cost)
     settings = {"report_interval_s": 0.1, **overrides}
     return WorkerConfig(nats_url=nats_url, role=role, model=MODEL, sim=sim, **settings)
 

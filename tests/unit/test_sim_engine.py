@@ -251,3 +251,43 @@ async def test_prefill_result_carries_handle_and_usage(sleeps: list[float]) -> N
     assert result.handle == SimKvHandle(worker_id="sim-1", block_keys=spec.block_keys,
                                         num_tokens=3 * BLOCK)
     assert result.prefill_s >= 0.0
+
+
+# --- the host tier ------------------------------------------------------------------------------
+
+
+def _tiered(device: int, host: int, fetch: float = 0.0) -> SimEngine:
+    return SimEngine(SimEngineConfig(cache_blocks=device, host_cache_blocks=host,
+                                     cost=SimCostModel(host_fetch_per_token_s=fetch)), "w")
+
+
+@pytest.mark.anyio
+async def test_device_evictions_move_to_the_host_tier_and_are_reported(sleeps: list[float]):
+    engine = _tiered(device=2, host=4)
+    first = prefill_task(make_spec("a", prompt_len=BLOCK * 2))
+    second = prefill_task(make_spec("b", prompt_len=BLOCK * 2))
+    await engine.prefill([first])
+    engine.take_kv_events()
+    await engine.prefill([second])
+    events = {(type(e).__name__, e.tier): sorted(e.keys) for e in engine.take_kv_events()}
+    a_keys = sorted(first.spec.block_keys)
+    assert events[("BlocksRemoved", "device")] == a_keys and events[("BlocksStored", "host")] == a_keys
+    assert engine.cached_blocks() == {"device": second.spec.block_keys, "host": first.spec.block_keys}
+
+
+@pytest.mark.anyio
+async def test_a_host_hit_is_cached_costs_only_its_fetch_and_moves_back_up(sleeps: list[float]):
+    engine = _tiered(device=2, host=4, fetch=0.001)
+    a = make_spec("a", prompt_len=BLOCK * 2)
+    await engine.prefill([prefill_task(a)])
+    await engine.prefill([prefill_task(make_spec("b", prompt_len=BLOCK * 2))])  # a goes to host
+    sleeps.clear()
+    again = make_spec("a2", prompt=list(a.prompt_tokens))
+    (result,) = await engine.prefill([prefill_task(again)])
+    assert result.cached_tokens == BLOCK * 2
+    assert sleeps == [pytest.approx(0.001 * BLOCK * 2)]  # fetched, not recomputed
+    assert engine.cached_blocks()["device"] == again.block_keys  # promoted back to the device
+
+
+def test_no_host_tier_reports_only_the_device():
+    assert set(_tiered(device=2, host=0).cached_blocks()) == {"device"}
