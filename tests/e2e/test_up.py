@@ -68,3 +68,64 @@ def test_up_refuses_a_busy_port():
                               capture_output=True, text=True, timeout=60, env=procs.child_env())
     assert proc.returncode == 1
     assert "ingress exited" in proc.stdout, proc.stdout
+
+
+def _child(proc: subprocess.Popen, word: str) -> psutil.Process:
+    return next(p for p in psutil.Process(proc.pid).children(recursive=True) if word in " ".join(p.cmdline()))
+
+
+def _complete(port: int) -> int:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=10)
+    reply = client.chat.completions.create(model="switchyard-sim", max_tokens=3,
+                                           messages=[{"role": "user", "content": "still there?"}])
+    return reply.usage.completion_tokens
+
+
+def test_a_crashed_scheduler_is_restarted_and_the_stack_serves_again():
+    port = procs.free_port()
+    proc = _start_up(port)
+    try:
+        _wait_ready_line(proc, 60)
+        assert _complete(port) == 3
+        victim = _child(proc, "switchyard scheduler")
+        victim.kill()
+        line = _wait_for_line(proc, "restarting", 10)
+        assert "scheduler exited" in line
+        deadline, served = time.monotonic() + 30, False
+        while time.monotonic() < deadline and not served:
+            try:
+                served = _complete(port) == 3
+            except openai.APIError:
+                time.sleep(0.3)
+        assert served
+        assert _child(proc, "switchyard scheduler").pid != victim.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_without_restarts_a_crash_stops_the_stack():
+    port = procs.free_port()
+    proc = subprocess.Popen(procs.service_command("up", "--port", str(port), "--log-level", "warning",
+                                                  "--max-restarts", "0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=procs.child_env(),
+                            start_new_session=True)
+    try:
+        _wait_ready_line(proc, 60)
+        _child(proc, "--role decode").kill()
+        assert proc.wait(timeout=30) == 1
+        assert "stopping the stack" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if needle in line:
+                return line
+    raise AssertionError(f"no line with {needle!r} within {timeout_s} s")
