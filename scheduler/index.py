@@ -185,6 +185,14 @@ class PrefixIndex:
         return self._seq.get(worker_id)
 
     def match(self, block_keys: list[int], workers: Iterable[str] | None = None) -> dict[str, WorkerMatch]:
+        blocks, device = self.match_counts(block_keys, workers)
+        return {w: WorkerMatch(w, device.get(w, 0), n) for w, n in blocks.items() if n > 0}
+
+    def match_counts(self, block_keys: list[int],
+                     workers: Iterable[str] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """``match`` as two plain maps, worker -> leading blocks on any tier and on its
+        device tier (a worker absent or at 0 matched nothing): what placement reads,
+        without an object per worker when a prefix is held fleet-wide."""
         wanted = self._seq.keys() if workers is None else self._seq.keys() & set(workers)
         walk = _Walk(wanted)
         end = 0
@@ -195,7 +203,7 @@ class PrefixIndex:
             end += 1
         for key in reversed(block_keys[:end]):  # a hit is a use: the prefix stays the newest
             self._holders.move_to_end(key)
-        return walk.result(end)
+        return walk.counts(end)
 
     @property
     def entries(self) -> int:
@@ -268,9 +276,9 @@ class _Walk:
         stopped.update((w, i) for w in workers - kept)
         return kept
 
-    def result(self, end: int) -> dict[str, WorkerMatch]:
+    def counts(self, end: int) -> tuple[dict[str, int], dict[str, int]]:
         if end == 0:
-            return {}
+            return {}, {}
         self.device_blocks.update((w, end) for w in self.device)
         self.blocks.update((w, end) for w in (self.wanted if self.shared else self.own))
-        return {w: WorkerMatch(w, self.device_blocks.get(w, 0), n) for w, n in self.blocks.items() if n > 0}
+        return self.blocks, self.device_blocks

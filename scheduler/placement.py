@@ -37,23 +37,36 @@ class Placer:
 
     def prefill(self, request: Tracked, workers: Iterable[WorkerState], bound_worker: str | None) -> Placement | None:
         workers = list(workers)
-        matches = self.index.match(request.spec.block_keys)
-        view = PlacementView(matches=matches, block_size=request.spec.block_size,
+        blocks, device = self.index.match_counts(request.spec.block_keys)
+        view = PlacementView(blocks=blocks, device_blocks=device, block_size=request.spec.block_size,
                              prefill_rate=lambda w: w.prefill_rate, fetch_credit=self.config.fetch_credit,
                              prompt_tokens=request.prompt_tokens)
         local = self._local(request, workers, view)
         if local is not None:
             return local
-        fitting = [w for w in workers if w.role != "decode" and self._fits(w, request, view)]
-        if not fitting:
-            return None
-        chosen = self._bound(fitting, bound_worker, view) or self.policy.choose(request, fitting, view)
+        capable = [w for w in workers if w.role != "decode"]
+        chosen = self._quick(request, capable, bound_worker, view)
+        if chosen is None:
+            fitting = [w for w in capable if self._fits(w, request, view)]
+            if not fitting:
+                return None
+            chosen = self._bound(fitting, bound_worker, view) or self.policy.choose(request, fitting, view)
         return Placement(chosen, "prefill", view.need(chosen))
+
+    def _quick(self, request: Tracked, capable: list[WorkerState], bound_worker: str | None,
+               view: PlacementView) -> WorkerState | None:
+        """For a policy that takes the least of a key, the best of all workers, if it
+        fits, is the best of those that fit: skip the pass that filters the fleet. Not
+        with a session binding (it is decided among the fitting workers)."""
+        if not capable or bound_worker is not None or not getattr(self.policy, "argmin", False):
+            return None
+        best = self.policy.choose(request, capable, view)
+        return best if self._fits(best, request, view) else None
 
     @staticmethod
     def _fits(worker: WorkerState, request: Tracked, view: PlacementView) -> bool:
         # Inlined for unmatched workers (most of a large fleet): the whole prompt is theirs.
-        need = view.need(worker) if worker.worker_id in view.matches else max(1, view.prompt_tokens)
+        need = view.need(worker) if view.matched(worker.worker_id) else max(1, view.prompt_tokens)
         load = worker.load_tokens
         fits = load == 0 or load + need <= worker.token_budget
         return fits and (worker.role != "both" or worker.kv_room(request.decode_tokens))

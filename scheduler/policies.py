@@ -37,31 +37,38 @@ class PlacementView:
     look at: every other worker must compute the whole prompt (the common case in a
     large fleet, kept O(1) per worker)."""
 
-    matches: Mapping[str, WorkerMatch]  # worker id -> its cached prefix of this prompt
+    blocks: Mapping[str, int]  # worker id -> leading blocks of this prompt it reaches, any tier
+    device_blocks: Mapping[str, int]  # worker id -> leading blocks on its own device tier
     block_size: int
     prefill_rate: Callable[[WorkerState], float]  # tokens/s
     fetch_credit: float  # share of a fetchable block's compute that fetching saves
     prompt_tokens: int
 
+    @classmethod
+    def of(cls, matches: Mapping[str, WorkerMatch], **rest) -> "PlacementView":
+        """A view from ``PrefixIndex.match`` results (tests build it this way)."""
+        return cls(blocks={w: m.blocks for w, m in matches.items()},
+                   device_blocks={w: m.device_blocks for w, m in matches.items()}, **rest)
+
+    def matched(self, worker_id: str) -> bool:
+        return self.blocks.get(worker_id, 0) > 0
+
     def cached_tokens(self, worker_id: str) -> int:
-        match = self.matches.get(worker_id)
-        return match.device_blocks * self.block_size if match else 0
+        return self.device_blocks.get(worker_id, 0) * self.block_size
 
     def uncached_tokens(self, worker: WorkerState) -> float:
         """Prompt tokens this worker must compute: device hits are free, blocks on its
         host/disk tier or in the cluster store cost only what fetching them costs."""
-        match = self.matches.get(worker.worker_id)
-        if match is None:
+        blocks = self.blocks.get(worker.worker_id, 0)
+        if not blocks:
             return float(self.prompt_tokens)
-        fetchable = (match.blocks - match.device_blocks) * self.block_size
-        device = match.device_blocks * self.block_size
-        return max(0.0, self.prompt_tokens - device - self.fetch_credit * fetchable)
+        device = self.device_blocks.get(worker.worker_id, 0)
+        fetchable = (blocks - device) * self.block_size
+        return max(0.0, self.prompt_tokens - device * self.block_size - self.fetch_credit * fetchable)
 
     def need(self, worker: WorkerState) -> int:
         """What the worker's ledger would hold: at least one token, since even a fully
         cached prompt computes its last token."""
-        if worker.worker_id not in self.matches:
-            return max(1, self.prompt_tokens)
         return max(1, math.ceil(self.uncached_tokens(worker)))
 
 
@@ -87,6 +94,7 @@ class RoundRobin:
 
 class LeastRequests:
     name = "least_requests"
+    argmin = True  # the least of a key: the best of all, if it fits, is the best that fits
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         return min(candidates, key=lambda w: (len(w.assigned), w.worker_id))
@@ -94,6 +102,7 @@ class LeastRequests:
 
 class LeastTokens:
     name = "least_tokens"
+    argmin = True
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         return min(candidates, key=lambda w: (w.load_tokens, w.worker_id))
@@ -125,14 +134,15 @@ class Switchyard:
     """One cost, lower is better: the predicted time to first token on each worker."""
 
     name = "switchyard"
+    argmin = True
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         # The hot loop of a large fleet: a worker the index did not match costs one
         # division, with no call (cost() below is the same arithmetic, spelled out).
-        prompt, matches = view.prompt_tokens, view.matches
+        prompt, matched = view.prompt_tokens, view.blocks
         best, best_key = candidates[0], (float("inf"), "")
         for worker in candidates:
-            mine = prompt if worker.worker_id not in matches else view.uncached_tokens(worker)
+            mine = view.uncached_tokens(worker) if matched.get(worker.worker_id) else prompt
             key = ((worker.load_tokens + mine) / view.prefill_rate(worker), worker.worker_id)
             if key < best_key:
                 best, best_key = worker, key

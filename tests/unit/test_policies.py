@@ -27,8 +27,8 @@ def tracked(prompt_len: int = 1600) -> Tracked:
 
 def view(matches: dict[str, tuple[int, int]] | None = None, credit: float = 0.8, prompt: int = 1600) -> PlacementView:
     found = {wid: WorkerMatch(wid, device, blocks) for wid, (device, blocks) in (matches or {}).items()}
-    return PlacementView(matches=found, block_size=16, prefill_rate=lambda w: w.prefill_rate, fetch_credit=credit,
-                         prompt_tokens=prompt)
+    return PlacementView.of(found, block_size=16, prefill_rate=lambda w: w.prefill_rate, fetch_credit=credit,
+                            prompt_tokens=prompt)
 
 
 def test_registry_names_and_unknown_policy() -> None:
