@@ -33,6 +33,7 @@ from pathlib import Path
 import anyio
 import httpx
 
+from bench import plots
 from bench.costmodel import CostModel
 from bench.fleet import FleetShape
 from bench.replay import ReplaySettings, replay
@@ -262,26 +263,12 @@ def _table(rows: list[dict]) -> str:
 
 
 def _plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plots.figure()
     for row in rows:
         for run_name, style in (("live", "-"), ("sim", "--")):
-            xs = sorted(row[run_name].get("ttft_samples_s") or [])
-            if xs:
-                ax.plot(xs, [i / len(xs) for i in range(1, len(xs) + 1)], style,
-                        label=f"{row['policy']} {run_name}")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token, trace seconds")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Live replay against its simulation")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "live_vs_sim.png", dpi=120)
-    plt.close(fig)
+            plots.cdf(ax, row[run_name].get("ttft_samples_s") or [], f"{row['policy']} {run_name}", style)
+    plots.save(fig, ax, out / "live_vs_sim.png", title="Live replay against its simulation",
+               xlabel="time to first token, trace seconds", ylabel="fraction of requests", log_x=True)
 
 
 __all__ = ["Scaling", "add_arguments", "live_cost", "run", "worker_flags"]

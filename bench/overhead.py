@@ -28,6 +28,7 @@ import httpx
 import nats
 import psutil
 
+from bench import plots
 from switchyard import procs
 
 MODEL = "switchyard-sim"
@@ -372,27 +373,15 @@ def _report(results: Results, out: Path) -> None:
 
 
 def _plots(results: Results, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plots.figure()
     for key, label in (("fabric_samples_ms", "switchyard TTFT (zero-cost engine)"),
                        ("engine_alone_samples_ms", "engine alone, HTTP/SSE"),
                        ("nats_rr_samples_ms", "bare nats-py request/reply")):
-        xs = sorted(results.ttft_ms[key])
-        ax.plot(xs, [i / len(xs) for i in range(1, len(xs) + 1)], label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("milliseconds")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Time to first token added by the fabric")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "ttft.png", dpi=120)
-    plt.close(fig)
+        plots.cdf(ax, results.ttft_ms[key], label)
+    plots.save(fig, ax, out / "ttft.png", title="Time to first token added by the fabric",
+               xlabel="milliseconds", ylabel="fraction of requests", log_x=True)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plots.figure()
     xs = list(range(len(results.throughput)))
     ax.bar([x - 0.2 for x in xs], [r["tokens_per_s"] for r in results.throughput], 0.4,
            label="switchyard HTTP/SSE")
@@ -402,16 +391,10 @@ def _plots(results: Results, out: Path) -> None:
     for key, style in (("one_message_per_token", "--"), ("one_message_per_256_tokens", ":")):
         ax.axhline(results.bare_pubsub_tokens_per_s[key], linestyle=style, color="k",
                    label=f"bare nats-py, {key.replace('_', ' ')}")
-    ax.set_yscale("log")
-    ax.set_xlabel("concurrent streams")
-    ax.set_ylabel("tokens/s")
-    ax.set_title("Streamed tokens per second")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=120)
-    plt.close(fig)
+    plots.save(fig, ax, out / "throughput.png", title="Streamed tokens per second", xlabel="concurrent streams",
+               ylabel="tokens/s", log_y=True)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plots.figure()
     names = list(results.rss_mib)
     width = 0.4
     xs = range(len(names))
@@ -419,12 +402,7 @@ def _plots(results: Results, out: Path) -> None:
     ax.bar([x + width / 2 for x in xs], [results.rss_mib[n].get("loaded", 0) for n in names], width,
            label="under load")
     ax.set_xticks(list(xs), names, rotation=20)
-    ax.set_ylabel("MiB resident")
-    ax.set_title("Memory per process")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=120)
-    plt.close(fig)
+    plots.save(fig, ax, out / "memory.png", title="Memory per process", xlabel="process", ylabel="MiB resident")
 
 
 __all__ = ["add_arguments", "run"]

@@ -27,6 +27,7 @@ import math
 import time
 from pathlib import Path
 
+from bench import plots
 from bench.costmodel import CostModel
 from bench.fleet import FleetShape
 from bench.replay import ReplayResult, ReplaySettings, replay
@@ -264,27 +265,14 @@ def table(results: list[dict], timings: list[dict]) -> str:
 
 
 def plot_cdfs(results: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     for key, title, slo in (("ttft", "Time to first token", "ttft_s"), ("tpot", "Time per output token", "tpot_s")):
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plots.figure()
         for r in results:
-            xs = sorted(r[f"{key}_samples_s"])
-            if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{r['policy']} ({r['mode']})")
+            plots.cdf(ax, r[f"{key}_samples_s"], f"{r['policy']} ({r['mode']})")
         if results:
             ax.axvline(results[0]["slo"][slo], color="k", linestyle=":", label="SLO")
-        ax.set_xscale("log")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("fraction of completed requests")
-        ax.set_title(f"{title}, per policy (simulated fleet)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{key}_cdf.png", dpi=120)
-        plt.close(fig)
+        plots.save(fig, ax, out / f"{key}_cdf.png", title=f"{title}, per policy (simulated fleet)",
+                   xlabel="seconds", ylabel="fraction of completed requests", log_x=True)
 
 
 __all__ = ["add_arguments", "parse_policies", "percentile", "run", "summarize", "table"]
