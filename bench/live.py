@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ import anyio
 import httpx
 
 from bench import plots
+from bench import stack as bench_stack
 from bench.costmodel import CostModel
 from bench.fleet import FleetShape
 from bench.replay import ReplaySettings, replay
@@ -43,8 +43,6 @@ from switchyard import procs
 
 MODEL = "switchyard-sim"
 CONTEXT = 4096  # the bundled sim-tiny model's
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
-_CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,34 +140,12 @@ def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, b
 
 
 def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost: CostModel, args) -> dict:
-    from switchyard.cli import build_parser
-    from switchyard.up import child_commands
-
     with ExitStack() as stack:
         server = stack.enter_context(procs.nats_server())
-        port = procs.free_port()
-        up = build_parser().parse_args(["up", "--port", str(port), "--log-level", "warning", "--policy", policy,
-                                        "--prefill", str(args.prefill), "--decode", str(args.decode),
-                                        *worker_flags(cost, scaling, args.cache_blocks)])
-        children = [procs.spawn(command, env=procs.child_env()) for _, command in child_commands(up, server.url)]
-        stack.callback(procs.stop, list(reversed(children)))
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, args.prefill, args.decode)
-        samples = anyio.run(_replay, url, requests, scaling)
+        live = bench_stack.start(stack, server, "--policy", policy, *worker_flags(cost, scaling, args.cache_blocks),
+                                 prefill=args.prefill, decode=args.decode)
+        samples = anyio.run(_replay, live.url, requests, scaling)
     return _summarize_live(policy, requests, samples, scaling, args)
-
-
-def _wait_healthy(url: str, prefill: int, decode: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            body = httpx.get(url + "/health", timeout=1).json()
-            if body.get("prefill_workers") == prefill and body.get("decode_workers") == decode:
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise procs.ProcessError("the live stack did not become healthy")
 
 
 @dataclass
@@ -214,13 +190,13 @@ async def _one(client: httpx.AsyncClient, request: TraceRequest, scaling: Scalin
             if b'"text":"' in raw:
                 last = now
             tail = (tail + raw)[-4096:]
-    if first is None or not _COMPLETION_TOKENS.search(tail):
+    if first is None or not bench_stack.COMPLETION_TOKENS.search(tail):
         sample.status = 599  # ended without its usage: an error event
         return
     sample.ttft_s = first - sent
     sample.span_s = (last or first) - first
-    sample.completion = int(_COMPLETION_TOKENS.findall(tail)[-1])
-    sample.cached = int(_CACHED_TOKENS.findall(tail)[-1])
+    sample.completion = int(bench_stack.COMPLETION_TOKENS.findall(tail)[-1])
+    sample.cached = int(bench_stack.CACHED_TOKENS.findall(tail)[-1])
 
 
 def _summarize_live(policy: str, requests: list[TraceRequest], samples: list[_Sample], scaling: Scaling,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import threading
 import time
 from contextlib import ExitStack
@@ -29,10 +28,10 @@ import nats
 import psutil
 
 from bench import plots
+from bench import stack as bench_stack
 from switchyard import procs
 
 MODEL = "switchyard-sim"
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 PROMPT = [{"role": "user", "content": "Measure the yard: how long does a token take to get through?"}]
 
 
@@ -67,36 +66,14 @@ def run(args: argparse.Namespace) -> int:
                                 "cpus": psutil.cpu_count()})
     with ExitStack() as stack:
         server = stack.enter_context(procs.nats_server())
-        children = _start_stack(server, stack, args.min_publish_interval_s)
-        url = f"http://127.0.0.1:{children.port}"
         direct = _start_direct_engine(stack)
-        _wait_healthy(url)
+        children = bench_stack.start(stack, server, "--min-publish-interval-s", str(args.min_publish_interval_s))
+        url = children.url
         procs.wait_for_port("127.0.0.1", direct.port, 30)
         print(f"stack up at {url}, engine alone at {direct.url}; measuring (engine cost zero)", flush=True)
         anyio.run(_measure, url, direct.url, server.url, levels, args, results, children)
     _report(results, args.out)
     return 0
-
-
-@dataclass
-class _Children:
-    port: int
-    processes: dict  # name -> Popen
-
-
-def _start_stack(server, stack: ExitStack, min_publish_interval_s: float) -> _Children:
-    from switchyard.cli import build_parser
-    from switchyard.up import child_commands
-
-    port = procs.free_port()
-    up_args = build_parser().parse_args(["up", "--port", str(port), "--log-level", "warning",
-                                         "--min-publish-interval-s", str(min_publish_interval_s)])
-    processes = {}
-    for name, command in child_commands(up_args, server.url):
-        processes[name] = procs.spawn(command, env=procs.child_env())
-    stack.callback(procs.stop, list(reversed(processes.values())))
-    processes["nats-server"] = server.process
-    return _Children(port=port, processes=processes)
 
 
 @dataclass
@@ -117,20 +94,8 @@ def _start_direct_engine(stack: ExitStack) -> _Direct:
     return _Direct(port)
 
 
-def _wait_healthy(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise procs.ProcessError("the stack did not become healthy")
-
-
 async def _measure(url: str, direct_url: str, nats_url: str, levels: list[int], args, results: Results,
-                   children: _Children) -> None:
+                   children: bench_stack.Stack) -> None:
     results.rss_mib = {name: {"idle": _rss(p.pid)} for name, p in children.processes.items()}
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
     async with httpx.AsyncClient(base_url=url + "/v1", timeout=60, limits=limits) as fabric, \
@@ -253,7 +218,7 @@ async def _stream_tokens(client: httpx.AsyncClient, max_tokens: int) -> int:
         response.raise_for_status()
         async for raw in response.aiter_raw():
             tail = (tail + raw)[-4096:]
-    found = _COMPLETION_TOKENS.findall(tail)
+    found = bench_stack.COMPLETION_TOKENS.findall(tail)
     if not found:
         raise RuntimeError("stream ended without usage")
     return int(found[-1])

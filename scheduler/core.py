@@ -390,10 +390,11 @@ class SchedulerCore:
             self._capacity_changed()
             self.workers[report.worker_id] = worker
             actions += self._ask_snapshot(report.worker_id)  # a full dump when a worker joins
-        if report.token_budget != worker.token_budget:
+        kv_capacity = report.kv_capacity_tokens or report.token_budget
+        if (report.token_budget, kv_capacity) != (worker.token_budget, worker.kv_capacity):
             self._capacity_changed()
         worker.token_budget, worker.last_seen = report.token_budget, now
-        worker.kv_capacity = report.kv_capacity_tokens or report.token_budget
+        worker.kv_capacity = kv_capacity
         worker.last_seq = report.seq
         known = self.index.last_seq(report.worker_id)
         if known is not None and report.kv_seq > known:  # its last batch never reached us

@@ -65,11 +65,7 @@ class Placer:
 
     @staticmethod
     def _fits(worker: WorkerState, request: Tracked, view: PlacementView) -> bool:
-        # Inlined for unmatched workers (most of a large fleet): the whole prompt is theirs.
-        need = view.need(worker) if view.matched(worker.worker_id) else max(1, view.prompt_tokens)
-        load = worker.load_tokens
-        fits = load == 0 or load + need <= worker.token_budget
-        return fits and (worker.role != "both" or worker.kv_room(request.decode_tokens))
+        return worker.fits(view.need(worker)) and (worker.role != "both" or worker.kv_room(request.decode_tokens))
 
     def decode(self, request: Tracked, workers: Iterable[WorkerState]) -> WorkerState | None:
         fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)]

@@ -137,28 +137,23 @@ class Switchyard:
     argmin = True
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
-        # The hot loop of a large fleet: a worker the index did not match costs one
-        # division, with no call (cost() below is the same arithmetic, spelled out).
-        prompt, matched = view.prompt_tokens, view.blocks
-        best, best_key = candidates[0], (float("inf"), "")
-        for worker in candidates:
-            mine = view.uncached_tokens(worker) if matched.get(worker.worker_id) else prompt
-            key = ((worker.load_tokens + mine) / view.prefill_rate(worker), worker.worker_id)
-            if key < best_key:
-                best, best_key = worker, key
+        best = min(candidates, key=lambda w: (self.predicted_ttft_s(w, view), w.worker_id))
         if log.isEnabledFor(logging.DEBUG):
             self.cost(best, request, view)  # logs the winner's terms
         return best
 
     @staticmethod
-    def cost(worker: WorkerState, request: Tracked, view: PlacementView) -> float:
-        queued = worker.load_tokens  # the ledger holds uncached tokens placed and not yet done
-        mine = view.uncached_tokens(worker)
-        rate = view.prefill_rate(worker)
-        cost = (queued + mine) / rate
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("cost %s on %s = (queued %d + uncached %.0f of %d) / %.0f tok/s = %.4f s",
-                      request.spec.request_id, worker.worker_id, queued, mine, request.prompt_tokens, rate, cost)
+    def predicted_ttft_s(worker: WorkerState, view: PlacementView) -> float:
+        # The ledger holds the uncached tokens placed there and not yet done.
+        return (worker.load_tokens + view.uncached_tokens(worker)) / view.prefill_rate(worker)
+
+    @classmethod
+    def cost(cls, worker: WorkerState, request: Tracked, view: PlacementView) -> float:
+        """``predicted_ttft_s``, with its terms logged at debug level."""
+        cost = cls.predicted_ttft_s(worker, view)
+        log.debug("cost %s on %s = (queued %d + uncached %.0f of %d) / %.0f tok/s = %.4f s",
+                  request.spec.request_id, worker.worker_id, worker.load_tokens, view.uncached_tokens(worker),
+                  request.prompt_tokens, view.prefill_rate(worker), cost)
         return cost
 
 
