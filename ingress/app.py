@@ -47,7 +47,7 @@ from ingress.openai_types import (
 from ingress.streams import StreamRouter
 from ingress.text import TextAssembler
 from ingress.tokenizer import ModelTokenizer, TokenizerError
-from kvbus import block_keys, salt_for
+from kvbus import KeyScheme
 from observability import tracing
 from observability.bus import BusStats
 from observability.metrics import CONTENT_TYPE, ServingMetrics
@@ -79,6 +79,7 @@ class Ingress:
         self.config = config
         self.tokenizer = tokenizer
         self.model = config.served_model_name or tokenizer.info.name
+        self.key_scheme = KeyScheme(config.key_scheme, config.hash_seed)
         self.nc = nc
         self.router = router
         self.metrics = metrics
@@ -225,7 +226,7 @@ class Ingress:
         sampling = SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
-        keys = block_keys(prompt, self.config.block_size, salt_for(tenant, self.model))
+        keys = self.key_scheme.keys(prompt, self.config.block_size, tenant, self.model)
         return RequestSpec(request_id=f"{prefix}-{uuid.uuid4().hex}", ingress_id=self.ingress_id,
                            model=self.model, prompt_tokens=prompt, block_size=self.config.block_size,
                            block_keys=keys, sampling=sampling, tenant=tenant, session=session,

@@ -1,5 +1,18 @@
-"""Content-addressed KV blocks: keys now; handles, tiered stores and KV events to come."""
+"""Content-addressed KV blocks: keys (Switchyard's own, or a vLLM engine's), and the
+KV-transfer settings of the vLLM engine (Mooncake Store, LMCache)."""
 
-from kvbus.keys import BlockKey, Salt, block_keys, hash_block_tokens, salt_for
+from kvbus.keys import (
+    VLLM_DEFAULT_HASH_SEED,
+    BlockKey,
+    KeyScheme,
+    Salt,
+    block_keys,
+    cache_salt_for,
+    hash_block_tokens,
+    key_of_digest,
+    salt_for,
+    vllm_block_hashes,
+)
 
-__all__ = ["BlockKey", "Salt", "block_keys", "hash_block_tokens", "salt_for"]
+__all__ = ["BlockKey", "KeyScheme", "Salt", "VLLM_DEFAULT_HASH_SEED", "block_keys", "cache_salt_for",
+           "hash_block_tokens", "key_of_digest", "salt_for", "vllm_block_hashes"]

@@ -105,7 +105,36 @@ class SimKvHandle(_Wire, tag="sim"):
     num_tokens: int
 
 
-KvHandle = SimKvHandle
+class MooncakeStoreKvHandle(_Wire, tag="mooncake-store"):
+    """A vLLM prefill saved the prompt's whole blocks to the Mooncake Store, keyed by the
+    engine's block hashes: a decode engine with the same model and hash seed finds them."""
+
+    worker_id: str
+    num_tokens: int  # prompt tokens the prefill computed or found
+    block_size: int
+
+
+class LmcacheKvHandle(_Wire, tag="lmcache"):
+    """A vLLM prefill stored the prompt's KV through LMCache (local memory and disk,
+    Mooncake Store as remote tier): a decode engine's LMCache finds it by content."""
+
+    worker_id: str
+    num_tokens: int
+    block_size: int
+
+
+class NixlKvHandle(_Wire, tag="nixl"):
+    """The KV stays in the prefill engine's GPU memory; the decode engine pulls it
+    directly (NIXL). ``params`` is the engine's ``kv_transfer_params``, JSON-encoded."""
+
+    worker_id: str
+    num_tokens: int
+    block_size: int
+    params: str
+
+
+KvHandle = SimKvHandle | MooncakeStoreKvHandle | LmcacheKvHandle | NixlKvHandle
+VllmKvHandle = MooncakeStoreKvHandle | LmcacheKvHandle | NixlKvHandle
 
 
 # --- scheduler -> worker (request/reply on worker_tasks(id)) ----------------------
@@ -166,6 +195,8 @@ class LoadReport(_Wire, tag="load"):
     interval_s: float
     kv_seq: int = 0  # the last KvEventBatch it published: a lost last batch shows here
     kv_capacity_tokens: int = 0  # KV tokens it can hold decoding; 0: its token_budget (decode)
+    boot_s: float = 0.0  # how long its engine took to start, before it first reported
+    kv_fallbacks: int = 0  # handed-over KV that did not arrive (recomputed), since it started
 
 
 class PrefillDone(_Wire, tag="prefill_done"):
@@ -188,6 +219,11 @@ class RequestFinished(_Wire, tag="finished"):
     request_id: str
     generated_tokens: int
     reason: FinishReason
+    # Handed-over KV, checked against the engine's own counters on the decode worker:
+    # whole-block prompt tokens the handle promised, and those the engine did not compute.
+    # loaded < expected means the KV did not arrive and the engine recomputed it.
+    kv_expected_tokens: int = 0
+    kv_loaded_tokens: int = 0
 
 
 class WorkerLeaving(_Wire, tag="leaving"):
@@ -283,7 +319,8 @@ class StreamBatch(_Wire):
 __all__ = [
     "BlockKey", "Role", "FinishReason", "RejectReason", "SamplingParams", "RequestSpec",
     "SubmitRequest", "StatusRequest", "SchedulerRequest", "Admitted", "Rejected",
-    "WorkerSummary", "ClusterStatus", "SchedulerReply", "SimKvHandle", "KvHandle",
+    "WorkerSummary", "ClusterStatus", "SchedulerReply", "SimKvHandle", "MooncakeStoreKvHandle",
+    "LmcacheKvHandle", "NixlKvHandle", "KvHandle", "VllmKvHandle",
     "PromptUsage", "PrefillTask", "DecodeTask", "LocalTask", "WorkerTask", "TaskAck", "LoadReport",
     "Tier", "BlocksStored", "BlocksRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch",
     "KvSnapshotRequest", "KvSnapshot",

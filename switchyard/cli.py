@@ -23,6 +23,7 @@ import anyio
 
 DEFAULT_NATS = "nats://127.0.0.1:4222"
 BUNDLED_MODEL = Path(__file__).parent / "models" / "sim-tiny"
+VLLM_DEFAULT_HASH_SEED = "vllm-none-hash"  # kvbus.keys's; not imported here to keep start-up light
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run the whole stack on this machine")
     _add_common(up, nats_default=None)
-    up.add_argument("--engine", choices=["sim"], default="sim")
+    up.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     up.add_argument("--prefill", type=_positive_int, default=1, help="prefill workers")
     up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
     up.add_argument("--ready-timeout-s", type=float, default=60.0)
@@ -52,11 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="a prefill or decode worker")
     _add_common(worker)
     worker.add_argument("--role", choices=["prefill", "decode"], required=True)
-    worker.add_argument("--engine", choices=["sim"], default="sim")
+    worker.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     worker.add_argument("--worker-id", default="")
     worker.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="model directory")
     worker.add_argument("--block-size", type=_positive_int, default=16)
+    worker.add_argument("--served-model-name", default="", help="the model's name on the bus (default: its directory's)")
     _add_worker_options(worker)
+
+    tiny = sub.add_parser("build-tiny-model", help="build the tiny Llama (seeded weights) that vLLM serves in tests")
+    tiny.add_argument("directory", type=Path)
+    tiny.add_argument("--force", action="store_true", help="rebuild even if the directory holds it already")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -97,6 +103,11 @@ def _add_ingress_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024)
     g.add_argument("--default-max-tokens", type=_positive_int, default=1024)
     g.add_argument("--stream-idle-timeout-s", type=float, default=60.0)
+    g.add_argument("--key-scheme", default="blake2b", choices=["blake2b", "vllm-sha256-cbor"],
+                   help="block-key hashing: the sim engine's, or a vLLM engine's")
+    if not any(a.dest == "hash_seed" for a in p._actions):
+        g.add_argument("--hash-seed", default=VLLM_DEFAULT_HASH_SEED,
+                       help="vllm: the root of the engine's block hashes (an integer, or the default)")
 
 
 def _add_scheduler_options(p: argparse.ArgumentParser) -> None:
@@ -127,6 +138,33 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-host-cache-blocks", type=int, default=0,
                    help="a host-memory tier below the device prefix cache (0: none)")
     g.add_argument("--sim-host-fetch-per-token-s", type=float, default=0.0)
+    v = p.add_argument_group("vllm engine")
+    v.add_argument("--kv-transfer", default="mooncake-store", choices=["mooncake-store", "lmcache", "nixl", "none"],
+                   help="how KV moves from prefill to decode")
+    v.add_argument("--dtype", default="auto")
+    v.add_argument("--max-model-len", type=_positive_int, default=None)
+    v.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    v.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
+                   help="the engine's KV cache size (needed on CPU hosts)")
+    v.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    v.add_argument("--enforce-eager", action="store_true", help="skip compilation: faster boot, slower steps")
+    v.add_argument("--seed", type=int, default=0)
+    if not any(a.dest == "hash_seed" for a in p._actions):
+        v.add_argument("--hash-seed", default=VLLM_DEFAULT_HASH_SEED)
+    v.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    v.add_argument("--pipeline-parallel-size", type=_positive_int, default=1)
+    v.add_argument("--data-parallel-size", type=_positive_int, default=1)
+    v.add_argument("--enable-expert-parallel", action="store_true")
+    v.add_argument("--speculative-method", default=None, choices=["ngram", "eagle", "eagle3", "draft_model", "mtp"],
+                   help="decode workers: speculative decoding")
+    v.add_argument("--speculative-model", default=None, help="the draft model (eagle, eagle3, draft_model)")
+    v.add_argument("--num-speculative-tokens", type=_positive_int, default=3)
+    v.add_argument("--mooncake-master", default="127.0.0.1:50051")
+    v.add_argument("--mooncake-metadata-server", default="http://127.0.0.1:8080/metadata")
+    v.add_argument("--lmcache-local-cpu-bytes", type=_positive_int, default=512 << 20)
+    v.add_argument("--lmcache-disk-dir", default="", help="LMCache's disk tier (empty: none)")
+    v.add_argument("--lmcache-disk-bytes", type=_positive_int, default=2 << 30)
+    v.add_argument("--vllm-work-dir", default="", help="config files and sockets (default: a temporary directory)")
 
 
 # --- config trees -------------------------------------------------------------------------
@@ -137,6 +175,7 @@ def ingress_config(args: argparse.Namespace, nats_url: str):
 
     return IngressConfig(nats_url=nats_url, model_dir=str(args.model), served_model_name=args.served_model_name,
                          host=args.host, port=args.port, block_size=args.block_size,
+                         key_scheme=args.key_scheme, hash_seed=args.hash_seed,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          stream_idle_timeout_s=args.stream_idle_timeout_s, trace_exporter=args.trace_exporter)
 
@@ -166,10 +205,36 @@ def worker_config(args: argparse.Namespace, nats_url: str):
                         host_fetch_per_token_s=args.sim_host_fetch_per_token_s)
     sim = SimEngineConfig(cost=cost, cache_blocks=args.sim_cache_blocks, host_cache_blocks=args.sim_host_cache_blocks,
                           token_low=low, token_high=ordinary.stop)
-    return WorkerConfig(nats_url=nats_url, role=args.role, model=tokenizer.info.name, engine=args.engine,
+    return WorkerConfig(nats_url=nats_url, role=args.role, model=args.served_model_name or tokenizer.info.name,
+                        engine=args.engine, model_path=str(args.model),
                         worker_id=args.worker_id, block_size=args.block_size, token_budget=args.token_budget,
                         report_interval_s=args.report_interval_s,
-                        min_publish_interval_s=args.min_publish_interval_s, sim=sim)
+                        min_publish_interval_s=args.min_publish_interval_s, sim=sim, vllm=vllm_config(args))
+
+
+def vllm_config(args: argparse.Namespace):
+    from workers.vllm_config import (
+        LmcacheSettings,
+        MooncakeSettings,
+        ParallelSettings,
+        SpeculativeSettings,
+        VllmEngineConfig,
+    )
+
+    speculative = None
+    if args.speculative_method:
+        speculative = SpeculativeSettings(method=args.speculative_method, model=args.speculative_model,
+                                          num_speculative_tokens=args.num_speculative_tokens)
+    return VllmEngineConfig(
+        kv_transfer=args.kv_transfer, block_size=args.block_size, dtype=args.dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager, seed=args.seed,
+        hash_seed=args.hash_seed, speculative=speculative, work_dir=args.vllm_work_dir,
+        parallel=ParallelSettings(tensor=args.tensor_parallel_size, pipeline=args.pipeline_parallel_size,
+                                  data=args.data_parallel_size, expert=args.enable_expert_parallel),
+        mooncake=MooncakeSettings(master=args.mooncake_master, metadata_server=args.mooncake_metadata_server),
+        lmcache=LmcacheSettings(local_cpu_bytes=args.lmcache_local_cpu_bytes, disk_dir=args.lmcache_disk_dir,
+                                disk_bytes=args.lmcache_disk_bytes))
 
 
 # --- running a service ------------------------------------------------------------------------
@@ -247,6 +312,10 @@ def _main(args: argparse.Namespace) -> int:
             from workers import build_worker
 
             run_service(build_worker(worker_config(args, args.nats)).run)
+        case "build-tiny-model":
+            from switchyard.tiny_model import main as build
+
+            return build(str(args.directory), force=args.force)
         case "bench":
             from importlib import import_module
 

@@ -9,13 +9,15 @@ import msgspec
 
 from schemas import Role
 from workers.sim import SimEngineConfig
+from workers.vllm_config import VllmEngineConfig
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str
     role: Role
     model: str
-    engine: Literal["sim"] = "sim"
+    engine: Literal["sim", "vllm"] = "sim"
+    model_path: str = ""  # vllm: the model directory (or name) the engine loads
     worker_id: str = ""
     block_size: int = 16
     # prefill: prompt tokens accepted in flight; decode: KV tokens held (prompt + max_tokens)
@@ -24,6 +26,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # decode: steps faster than this share one bus message (see workers/decode.py)
     min_publish_interval_s: float = 0.001
     sim: SimEngineConfig = SimEngineConfig()
+    vllm: VllmEngineConfig = VllmEngineConfig()
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -32,6 +35,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("token_budget, block_size and report_interval_s must be positive")
         if self.min_publish_interval_s < 0:
             raise ValueError("min_publish_interval_s must not be negative")
+        if self.engine == "vllm":
+            if not self.model_path:
+                raise ValueError("the vllm engine needs model_path")
+            if self.block_size != self.vllm.block_size:
+                raise ValueError(f"block_size {self.block_size} differs from the vllm engine's {self.vllm.block_size}")
 
     def with_id(self) -> "WorkerConfig":
         """This config with a worker id, generated when none was given."""

@@ -49,6 +49,8 @@ class _Stream:
     pending: list[int] = field(default_factory=list)  # stepped, not yet sent
     pending_seq: int = 0  # output position of pending[0]
     finished: FinishReason | None = None
+    kv_expected_tokens: int = 0
+    kv_loaded_tokens: int = 0
 
 
 class DecodeRole:
@@ -63,6 +65,7 @@ class DecodeRole:
         self._last_publish = 0.0
         self._local: dict[str, tuple[LocalTask, Span]] = {}  # local prefills not yet computed
         self._wake = anyio.Event()
+        self.kv_fallbacks = 0  # handed-over KV the engine did not find (it recomputed)
 
     @property
     def kv_cache(self) -> KvCacheView:
@@ -164,10 +167,14 @@ class DecodeRole:
             if not stream.pending:
                 stream.pending_seq = out.position
                 self._unsent[out.request_id] = stream
-            stream.pending.append(out.token)
-            stream.generated += 1
+            if out.token is not None:
+                stream.pending.append(out.token)
+                stream.generated += 1
             if out.finished is not None:
                 stream.finished = out.finished
+                stream.kv_expected_tokens, stream.kv_loaded_tokens = out.kv_expected_tokens, out.kv_loaded_tokens
+                if out.kv_loaded_tokens < out.kv_expected_tokens:
+                    self.kv_fallbacks += 1
                 finished = True
         return finished
 
@@ -186,7 +193,9 @@ class DecodeRole:
                 stream.span.set_attribute("switchyard.generated_tokens", stream.generated)
                 stream.span.end()
                 done.append(RequestFinished(worker_id=self.worker_id, request_id=rid,
-                                            generated_tokens=stream.generated, reason=stream.finished))
+                                            generated_tokens=stream.generated, reason=stream.finished,
+                                            kv_expected_tokens=stream.kv_expected_tokens,
+                                            kv_loaded_tokens=stream.kv_loaded_tokens))
         self._unsent = {}
         for ingress_id, chunks in by_ingress.items():
             await bus.stream(ingress_id, chunks)

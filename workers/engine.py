@@ -1,4 +1,4 @@
-"""What a worker needs of an engine. ``sim`` implements it now; ``vllm`` comes next.
+"""What a worker needs of an engine: ``sim`` (``workers.sim``) and ``vllm`` (``workers.vllm_engine``).
 
 Prefill is a batch call (compute-bound: the engine batches what is queued); decode is
 continuous batching: sequences join and leave between steps, and each ``step`` yields
@@ -8,7 +8,7 @@ one token for every running sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from schemas import DecodeTask, FinishReason, KvHandle, PrefillTask
 
@@ -26,9 +26,13 @@ class PrefillResult:
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     request_id: str
-    token: int
+    token: int | None  # None: the sequence ended with no new token
     position: int  # output position of ``token``; the prefill's first token is 0
     finished: FinishReason | None
+    # On a finishing output of a handed-over request: the whole-block prompt tokens the
+    # handle promised, and those the engine loaded rather than computed.
+    kv_expected_tokens: int = 0
+    kv_loaded_tokens: int = 0
 
 
 class PrefillEngine(Protocol):
@@ -36,6 +40,18 @@ class PrefillEngine(Protocol):
     so that the scheduler's prefix index hears what it holds."""
 
     async def prefill(self, tasks: list[PrefillTask]) -> list[PrefillResult]: ...
+
+
+@runtime_checkable
+class EngineLifecycle(Protocol):
+    """An engine that boots (``vllm``): the worker starts it before it registers, so a
+    worker is announced only when its engine can serve, and stops it on the way out."""
+
+    boot_s: float
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class DecodeEngine(PrefillEngine, Protocol):

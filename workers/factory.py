@@ -11,7 +11,12 @@ from workers.sim import SimEngine
 
 def build_worker(config: WorkerConfig) -> WorkerRuntime:
     config = config.with_id()
-    engine = SimEngine(config.sim, config.worker_id)  # the only engine so far
+    if config.engine == "vllm":
+        from workers.vllm_engine import VllmEngine  # imports vLLM only when asked for
+
+        engine = VllmEngine(config.vllm, config.model_path, config.role, config.worker_id)
+    else:
+        engine = SimEngine(config.sim, config.worker_id)
     if config.role == "prefill":
         role = PrefillRole(engine, config.worker_id, config.token_budget)
     else:

@@ -35,6 +35,14 @@ class KvCacheView(Protocol):
         ...
 
 
+@runtime_checkable
+class PushedKvCache(KvCacheView, Protocol):
+    """A cache whose changes arrive on the engine's own time (vLLM's KV events): the
+    runtime publishes them when they come."""
+
+    async def wait_kv_changes(self) -> None: ...
+
+
 class NoKvCache:
     """An engine side without a prefix cache (a decode worker): holds nothing, ever."""
 

@@ -26,7 +26,8 @@ from observability.bus import BusStats, connect, decoded, subscribe
 from schemas import LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
 from schemas.messages import TaskAck, WorkerEvent
 from workers.config import WorkerConfig
-from workers.kv_events import KvCacheView, KvReporter, NoKvCache
+from workers.engine import EngineLifecycle
+from workers.kv_events import KvCacheView, KvReporter, NoKvCache, PushedKvCache
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,20 @@ class WorkerRuntime:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
+        engine = getattr(self.role, "engine", None)
+        if isinstance(engine, EngineLifecycle):
+            # Boot first: the worker registers (first LoadReport) only once it can serve.
+            log.info("%s worker %s: starting its %s engine", cfg.role, cfg.worker_id, cfg.engine)
+            await engine.start()
+        try:
+            await self._run(task_status)
+        finally:
+            if isinstance(engine, EngineLifecycle):
+                with anyio.CancelScope(shield=True):
+                    await engine.stop()
+
+    async def _run(self, task_status: TaskStatus[None]) -> None:
+        cfg = self.config
         async with connect(cfg.nats_url, cfg.worker_id, self.stats) as nc:
             bus = WorkerBus(nc, cfg, self.kv)
             try:
@@ -115,8 +130,18 @@ class WorkerRuntime:
         tg.start_soon(self._serve_roll_calls, roll_calls, bus)
         tg.start_soon(self._serve_kv_snapshots, snapshots)
         tg.start_soon(self.role.serve, bus)
+        cache = self.kv.cache
+        if isinstance(cache, PushedKvCache):
+            tg.start_soon(self._publish_kv_pushes, cache, bus)
         await nc.flush()
         tg.start_soon(self._heartbeat, bus)
+
+    async def _publish_kv_pushes(self, cache: "PushedKvCache", bus: WorkerBus) -> None:
+        """An engine that reports its cache changes on its own time (vLLM's events come
+        from its core process): publish them as they come, not only after a batch."""
+        while True:
+            await cache.wait_kv_changes()
+            await bus.kv_changes()
 
     async def _serve_tasks(self, sub) -> None:
         async for msg, task in decoded(sub, codec.WORKER_TASK, "task"):
@@ -160,4 +185,6 @@ class WorkerRuntime:
             model=cfg.model, block_size=cfg.block_size, token_budget=cfg.token_budget,
             inflight_tokens=self.role.inflight_tokens(), running=self.role.running(),
             interval_s=cfg.report_interval_s, kv_seq=self.kv.seq,
+            boot_s=getattr(getattr(self.role, "engine", None), "boot_s", 0.0),
+            kv_fallbacks=getattr(self.role, "kv_fallbacks", 0),
         ))

