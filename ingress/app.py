@@ -121,14 +121,20 @@ class Ingress:
                 "max_model_len": self.tokenizer.info.max_context}
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def health(self, request: Request) -> Response:
+    async def _cluster_status(self) -> ClusterStatus | None:
         try:
             reply = await self.nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(StatusRequest()),
                                           timeout=1.0)
         except (NoRespondersError, NatsTimeout):
-            return JSONResponse({"status": "unavailable", "reason": "no scheduler answers"}, 503)
+            return None
         status = codec.SCHEDULER_REPLY.decode(reply.data)
         assert isinstance(status, ClusterStatus)
+        return status
+
+    async def health(self, request: Request) -> Response:
+        status = await self._cluster_status()
+        if status is None:
+            return JSONResponse({"status": "unavailable", "reason": "no scheduler answers"}, 503)
         roles = [w.role for w in status.workers]
         body = {"status": "ok", "model": self.model, "prefill_workers": roles.count("prefill"),
                 "decode_workers": roles.count("decode"), "queued_requests": status.queued_requests,
@@ -140,6 +146,9 @@ class Ingress:
 
     async def metrics_text(self, request: Request) -> Response:
         self.metrics.bus_dropped.set(self.bus_stats.dropped)
+        status = await self._cluster_status()
+        if status is not None:
+            self.metrics.set_workers(status.workers)
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     # --- checks ------------------------------------------------------------------------------

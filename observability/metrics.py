@@ -41,5 +41,43 @@ class ServingMetrics:
                                  "Messages a slow NATS subscription of this process dropped.",
                                  registry=r)
 
+        # Each worker's engine counters, as its last heartbeat told the scheduler; the
+        # ingress reads them at scrape time (a vLLM engine's own figures, not ours).
+        workers = ["worker_id", "role", "engine"]
+        self.worker_boot = Gauge("switchyard_worker_boot_seconds", "How long the worker's engine took to start.",
+                                 workers, registry=r)
+        self.worker_tokens = Gauge("switchyard_worker_prompt_tokens",
+                                   "Prompt tokens the worker's engine saw, by source "
+                                   "(computed, local_cache_hit, external_kv_transfer).",
+                                   [*workers, "source"], registry=r)
+        self.worker_kv_fallbacks = Gauge("switchyard_worker_kv_fallbacks",
+                                         "Handed-over KV that did not arrive, so the engine recomputed it.",
+                                         workers, registry=r)
+        self.worker_spec = Gauge("switchyard_worker_spec_decode_tokens",
+                                 "Speculative decoding: draft tokens proposed and accepted.",
+                                 [*workers, "kind"], registry=r)
+        self.worker_spec_acceptance = Gauge("switchyard_worker_spec_decode_acceptance_ratio",
+                                            "Accepted over proposed draft tokens.", workers, registry=r)
+
+    def set_workers(self, summaries) -> None:
+        """Replace the per-worker gauges with ``ClusterStatus.workers``."""
+        for gauge in (self.worker_boot, self.worker_tokens, self.worker_kv_fallbacks, self.worker_spec,
+                      self.worker_spec_acceptance):
+            gauge.clear()
+        for w in summaries:
+            labels = (w.worker_id, w.role, w.engine)
+            self.worker_boot.labels(*labels).set(w.boot_s)
+            stats = w.stats
+            if stats is None:
+                continue
+            for source, value in (("computed", stats.computed_tokens), ("local_cache_hit", stats.local_cache_hit_tokens),
+                                  ("external_kv_transfer", stats.external_hit_tokens)):
+                self.worker_tokens.labels(*labels, source).set(value)
+            self.worker_kv_fallbacks.labels(*labels).set(stats.kv_fallbacks)
+            if stats.spec_draft_tokens:
+                self.worker_spec.labels(*labels, "draft").set(stats.spec_draft_tokens)
+                self.worker_spec.labels(*labels, "accepted").set(stats.spec_accepted_tokens)
+                self.worker_spec_acceptance.labels(*labels).set(stats.spec_accepted_tokens / stats.spec_draft_tokens)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -212,7 +212,9 @@ class SchedulerCore:
     def status(self) -> ClusterStatus:
         workers = [
             WorkerSummary(worker_id=w.worker_id, role=w.role, inflight_tokens=w.load_tokens,
-                          running=len(w.assigned))
+                          running=len(w.assigned), engine=w.last_report.engine if w.last_report else "",
+                          boot_s=w.last_report.boot_s if w.last_report else 0.0,
+                          stats=w.last_report.stats if w.last_report else None)
             for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
         ]
         return ClusterStatus(workers=workers, queued_requests=len(self._queue), queued_tokens=self._queue.tokens)
@@ -396,6 +398,7 @@ class SchedulerCore:
         worker.token_budget, worker.last_seen = report.token_budget, now
         worker.kv_capacity = kv_capacity
         worker.last_seq = report.seq
+        worker.last_report = report
         known = self.index.last_seq(report.worker_id)
         if known is not None and report.kv_seq > known:  # its last batch never reached us
             actions += self._ask_snapshot(report.worker_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from schemas import PrefillDone, RequestSpec, Role
+from schemas import LoadReport, PrefillDone, RequestSpec, Role
 
 Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]  # "prefill" covers a local task too
 
@@ -32,6 +32,7 @@ class WorkerState:
     kv_capacity: int = 0
     held: dict[str, int] = field(default_factory=dict)
     kv_tokens: int = 0
+    last_report: LoadReport | None = None  # as reported: engine, boot time, engine counters
 
     def assign(self, request_id: str, tokens: int) -> None:
         assert request_id not in self.assigned, request_id

@@ -78,11 +78,27 @@ class Rejected(_Wire, tag="rejected"):
     retry_after_s: float = 0.0
 
 
+class EngineStats(_Wire):
+    """What a worker's engine counted since it started (a vLLM engine's own counters)."""
+
+    prompt_tokens: int = 0
+    computed_tokens: int = 0  # prompt tokens it prefilled itself
+    local_cache_hit_tokens: int = 0  # found in its own prefix cache
+    external_hit_tokens: int = 0  # loaded through its KV connector
+    kv_fallbacks: int = 0  # handed-over KV that did not arrive: recomputed
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
 class WorkerSummary(_Wire):
     worker_id: str
     role: Role
     inflight_tokens: int
     running: int
+    engine: str = ""
+    boot_s: float = 0.0
+    stats: EngineStats | None = None
 
 
 class ClusterStatus(_Wire, tag="cluster_status"):
@@ -196,7 +212,7 @@ class LoadReport(_Wire, tag="load"):
     kv_seq: int = 0  # the last KvEventBatch it published: a lost last batch shows here
     kv_capacity_tokens: int = 0  # KV tokens it can hold decoding; 0: its token_budget (decode)
     boot_s: float = 0.0  # how long its engine took to start, before it first reported
-    kv_fallbacks: int = 0  # handed-over KV that did not arrive (recomputed), since it started
+    stats: EngineStats | None = None  # an engine that counts (vllm)
 
 
 class PrefillDone(_Wire, tag="prefill_done"):
@@ -319,7 +335,7 @@ class StreamBatch(_Wire):
 __all__ = [
     "BlockKey", "Role", "FinishReason", "RejectReason", "SamplingParams", "RequestSpec",
     "SubmitRequest", "StatusRequest", "SchedulerRequest", "Admitted", "Rejected",
-    "WorkerSummary", "ClusterStatus", "SchedulerReply", "SimKvHandle", "MooncakeStoreKvHandle",
+    "EngineStats", "WorkerSummary", "ClusterStatus", "SchedulerReply", "SimKvHandle", "MooncakeStoreKvHandle",
     "LmcacheKvHandle", "NixlKvHandle", "KvHandle", "VllmKvHandle",
     "PromptUsage", "PrefillTask", "DecodeTask", "LocalTask", "WorkerTask", "TaskAck", "LoadReport",
     "Tier", "BlocksStored", "BlocksRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch",

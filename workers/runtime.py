@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from nats.errors import MaxPayloadError
 
 from observability.bus import BusStats, connect, decoded, subscribe
-from schemas import LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
+from schemas import EngineStats, LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
 from schemas.messages import TaskAck, WorkerEvent
 from workers.config import WorkerConfig
 from workers.engine import EngineLifecycle
@@ -186,5 +186,11 @@ class WorkerRuntime:
             inflight_tokens=self.role.inflight_tokens(), running=self.role.running(),
             interval_s=cfg.report_interval_s, kv_seq=self.kv.seq,
             boot_s=getattr(getattr(self.role, "engine", None), "boot_s", 0.0),
-            kv_fallbacks=getattr(self.role, "kv_fallbacks", 0),
+            stats=self._engine_stats(),
         ))
+
+    def _engine_stats(self) -> EngineStats | None:
+        counters = getattr(getattr(self.role, "engine", None), "counters", None)
+        if counters is None:
+            return None
+        return EngineStats(kv_fallbacks=getattr(self.role, "kv_fallbacks", 0), **counters.wire())

@@ -70,8 +70,9 @@ class EngineCounters:
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+    def wire(self) -> dict[str, int]:
+        """The fields ``schemas.EngineStats`` carries."""
+        return {k: v for k, v in self.__dict__.items() if isinstance(v, int)}
 
 
 def _stat_logger_factory(counters: EngineCounters):

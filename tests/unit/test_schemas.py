@@ -26,6 +26,8 @@ SPEC = m.RequestSpec(
     tenant="acme", session="sess-1", priority=3, deadline_s=2.5,
 )
 HANDLE = m.SimKvHandle(worker_id="p-1", block_keys=[2**64 - 1, 3], num_tokens=5)
+STATS = m.EngineStats(prompt_tokens=700, computed_tokens=60, local_cache_hit_tokens=320, external_hit_tokens=320,
+                      kv_fallbacks=1, spec_drafts=5, spec_draft_tokens=15, spec_accepted_tokens=9)
 USAGE = m.PromptUsage(prompt_tokens=5, cached_tokens=4, queued_s=0.125, prefill_s=0.5, batch_tokens=40)
 
 # (codec of the subject, message): each message is sent on exactly this subject.
@@ -36,7 +38,8 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
     ("rejected", codec.SCHEDULER_REPLY,
      m.Rejected(request_id="r-42", reason="overloaded", message="busy", retry_after_s=2.5)),
     ("cluster_status", codec.SCHEDULER_REPLY, m.ClusterStatus(
-        workers=[m.WorkerSummary(worker_id="d-1", role="decode", inflight_tokens=99, running=2)],
+        workers=[m.WorkerSummary(worker_id="d-1", role="decode", inflight_tokens=99, running=2, engine="vllm",
+                                 boot_s=31.5, stats=STATS)],
         queued_requests=4, queued_tokens=400)),
     ("prefill_task", codec.WORKER_TASK, m.PrefillTask(spec=SPEC, queued_s=0.75)),
     ("decode_task", codec.WORKER_TASK,
@@ -46,14 +49,21 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
     ("load", codec.WORKER_EVENT, m.LoadReport(
         worker_id="p-1", role="decode", seq=9, engine="sim", model="sim-tiny", block_size=32,
         token_budget=5000, inflight_tokens=123, running=4, interval_s=0.25, kv_seq=12,
-        kv_capacity_tokens=90_000)),
+        kv_capacity_tokens=90_000, boot_s=12.5, stats=STATS)),
     ("prefill_done", codec.WORKER_EVENT, m.PrefillDone(
         worker_id="p-1", request_id="r-42", handle=HANDLE, first_token=777, usage=USAGE,
         finished=True)),
     ("prefill_failed", codec.WORKER_EVENT,
      m.PrefillFailed(worker_id="p-1", request_id="r-42", message="oom")),
     ("finished", codec.WORKER_EVENT,
-     m.RequestFinished(worker_id="d-1", request_id="r-42", generated_tokens=17, reason="stop")),
+     m.RequestFinished(worker_id="d-1", request_id="r-42", generated_tokens=17, reason="stop",
+                       kv_expected_tokens=640, kv_loaded_tokens=608)),
+    *[(f"decode_task_{handle.__struct_config__.tag}", codec.WORKER_TASK,
+       m.DecodeTask(spec=SPEC, handle=handle, first_token=777, usage=USAGE)) for handle in (
+        m.MooncakeStoreKvHandle(worker_id="p-1", num_tokens=700, block_size=32),
+        m.LmcacheKvHandle(worker_id="p-2", num_tokens=701, block_size=64),
+        m.NixlKvHandle(worker_id="p-3", num_tokens=702, block_size=16,
+                       params='{"remote_block_ids": [1, 2], "remote_engine_id": "e"}'))],
     ("leaving", codec.WORKER_EVENT, m.WorkerLeaving(worker_id="d-1")),
     ("roll_call", codec.ROLL_CALL, m.RollCall(scheduler_id="sched-1")),
     ("kv_events", codec.KV_EVENTS, m.KvEventBatch(worker_id="p-1", seq=7, events=[
