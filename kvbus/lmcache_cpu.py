@@ -5,11 +5,17 @@ Why: LMCache 0.5.6 only ships paged-KV connectors for CUDA/XPU/MUSA/HPU. On vllm
 catches that, logs "degraded mode (recompute)" and every request silently recomputes.
 
 vLLM's CPU attention backend (``CPU_ATTN``) hands ``register_kv_caches`` one tensor per
-layer shaped ``[num_blocks, kv_heads, block_size, 2 * head_size]``. Despite the last dim,
-a row is *not* ``K_t ++ V_t``: the backend views each tensor as
-``[num_blocks, kv_heads, 2 * block_size, head_size]`` and splits dim 2, so the memory
-order is ``[block, head, {K, V}, token, head_dim]``. LMCache memory objects are
-``KV_2LTD``: ``[2, num_layers, num_tokens, kv_heads * head_size]``. Slot ``s`` of
+layer shaped ``[num_blocks, kv_heads, block_size, 2 * head_size]``, but the shape says
+little about where a token's K and V live: the backend views it as
+``[num_blocks, kv_heads, 2 * block_size, head_size]``, splits dim 2 into a K and a V half,
+and its writer kernel (``cpu_attn_reshape_and_cache``) lays each half out per ISA (with the
+x86 ``vec`` ISA, K is stored transposed ``[head_size, block_size]`` and V is not). So we
+do not hard-code it: ``block_layout`` writes coded values with vLLM's own kernel into a
+scratch block once and reads back, per (token, K/V, head, dim), its element offset inside a
+block. Gather/scatter are then one advanced-indexing op per layer.
+
+LMCache memory objects are ``KV_2LTD``: ``[2, num_layers, num_tokens, kv_heads * head_size]``
+with true K/V values, so stored chunks do not depend on the CPU ISA. Slot ``s`` of
 LMCache's slot mapping is ``block * block_size + offset``.
 
 Use it through vLLM's external-connector hook (works in the spawned engine-core and
@@ -22,6 +28,7 @@ worker processes because vLLM imports this module there by name)::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -33,7 +40,43 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
-__all__ = ["CPUPagedKVConnector", "LMCacheCPUConnectorV1", "register_cpu_kv_connector"]
+__all__ = ["CPUPagedKVConnector", "LMCacheCPUConnectorV1", "block_layout", "register_cpu_kv_connector"]
+
+_DIGIT = 128  # small integers are exact in fp32, fp16 and bf16
+
+
+@functools.lru_cache(maxsize=16)
+def block_layout(dtype: torch.dtype, block_size: int, num_heads: int, head_size: int) -> torch.Tensor:
+    """Offsets ``[block_size, 2, num_heads, head_size]`` of each K/V element inside one block.
+
+    Learned from vLLM's CPU writer kernel with the ISA vLLM would pick, writing the element
+    index in base-128 digits (1 + digit, so an unwritten cell reads 0 and is caught).
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_size, "auto")
+    numel = 2 * block_size * num_heads * head_size
+    index = torch.arange(numel).view(block_size, 2, num_heads, head_size)
+    element_at = torch.zeros(numel, dtype=torch.long)  # cell -> element index
+    slots = torch.arange(block_size)
+    scale, rounds = 1, 0
+    while scale < numel or rounds == 0:
+        digit = (index // scale % _DIGIT + 1).to(dtype)
+        cache = torch.zeros(1, num_heads, block_size, 2 * head_size, dtype=dtype)
+        k_cache, v_cache = cache.view(1, num_heads, 2 * block_size, head_size).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(digit[:, 0], digit[:, 1], k_cache, v_cache, slots, isa)
+        got = cache.flatten().to(torch.long)
+        if (got == 0).any():
+            raise RuntimeError(f"vLLM CPU kernel (isa={isa}) left cells of a block unwritten; layout unsupported")
+        element_at += (got - 1) * scale
+        scale, rounds = scale * _DIGIT, rounds + 1
+    # Invert cell -> element into element -> cell.
+    if not torch.equal(torch.sort(element_at).values, torch.arange(numel)):
+        raise RuntimeError(f"vLLM CPU kernel (isa={isa}) block layout is not a permutation")
+    layout = torch.empty(numel, dtype=torch.long)
+    layout[element_at] = torch.arange(numel)
+    return layout.view(block_size, 2, num_heads, head_size)
 
 
 class CPUPagedKVConnector(GPUConnectorInterface):
@@ -45,7 +88,8 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         self.head_size = head_size
         self.dtype = dtype
         self.kvcaches: list[torch.Tensor] | None = None
-        self._views: list[torch.Tensor] = []  # per layer [blocks, block_size, 2, heads, head_size]
+        self._flat: list[torch.Tensor] = []  # per layer [num_blocks, elements per block]
+        self._layout = torch.empty(0, dtype=torch.long)  # [block_size, 2 * heads * head_size]
 
     @classmethod
     def from_metadata(cls, metadata: LMCacheMetadata) -> CPUPagedKVConnector:
@@ -55,7 +99,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         return cls(num_layers, num_kv_heads, head_size, metadata.kv_dtype)
 
     def initialize_kvcaches_ptr(self, **kwargs: Any) -> None:
-        """Take ``kvcaches`` (list of per-layer tensors) and build token-major views once."""
+        """Take ``kvcaches`` (per-layer tensors, in LMCache's layer order) once and validate them."""
         kvcaches = kwargs.get("kvcaches")
         if kvcaches is None:
             if self.kvcaches is None:
@@ -68,7 +112,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
             return
         if len(kvcaches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} layer KV caches, got {len(kvcaches)}")
-        views = []
+        flat = []
         for i, t in enumerate(kvcaches):
             if t.dim() != 4 or t.shape[1] != self.num_kv_heads or t.shape[3] != 2 * self.head_size:
                 raise ValueError(
@@ -77,12 +121,14 @@ class CPUPagedKVConnector(GPUConnectorInterface):
                 )
             if t.dtype != self.dtype:
                 raise ValueError(f"layer {i}: KV cache dtype {t.dtype} != LMCache kv_dtype {self.dtype}")
-            nb, h, bs, _ = t.shape
-            # Same reinterpretation CPU_ATTN does; then put (block, token) first for indexing.
-            views.append(t.view(nb, h, 2, bs, self.head_size).permute(0, 3, 2, 1, 4))
-        self.kvcaches, self._views = kvcaches, views
+            if t.shape[2] != kvcaches[0].shape[2] or t.device.type != "cpu":
+                raise ValueError(f"layer {i}: caches must be CPU tensors with one block size")
+            flat.append(t.view(t.shape[0], -1))  # a block's [heads, tokens, 2*head] is contiguous
+        layout = block_layout(self.dtype, kvcaches[0].shape[2], self.num_kv_heads, self.head_size)
+        self.kvcaches, self._flat, self._layout = kvcaches, flat, layout.flatten(1)
 
-    def _slots(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _index(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Validate; return (memory tensor, block index [n, 1], element offsets [n, 2*H*D])."""
         self.initialize_kvcaches_ptr(**kwargs)
         if "slot_mapping" not in kwargs:
             raise ValueError("'slot_mapping' must be passed in kwargs")
@@ -96,33 +142,30 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         slots = kwargs["slot_mapping"][start:end].to(device="cpu", dtype=torch.long)
         if slots.numel() != n:
             raise ValueError(f"slot_mapping covers {slots.numel()} tokens of [{start}, {end})")
-        block_size = self._views[0].shape[1]
-        num_slots = self._views[0].shape[0] * block_size
+        block_size = self._layout.shape[0]
+        num_slots = self._flat[0].shape[0] * block_size
         if n and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
             raise ValueError(f"slot out of range [0, {num_slots}) in [{start}, {end})")
-        return t, slots // block_size, slots % block_size
+        return t, (slots // block_size)[:, None], self._layout[slots % block_size]
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """Gather tokens [start, end) (via slot_mapping) from vLLM's cache into memory_obj."""
-        t, blk, off = self._slots(memory_obj, start, end, kwargs)
+        t, blk, cols = self._index(memory_obj, start, end, kwargs)
         n = end - start
-        for layer, view in enumerate(self._views):
-            # view[blk, off] -> [n, 2, heads, head_size]
-            t[:, layer].copy_(view[blk, off].permute(1, 0, 2, 3).reshape(2, n, -1))
+        for layer, flat in enumerate(self._flat):
+            t[:, layer].copy_(flat[blk, cols].view(n, 2, -1).transpose(0, 1))
         memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """Scatter memory_obj into vLLM's cache; skips tokens vLLM already has cached."""
         if memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
             raise ValueError(f"expected a KV_2LTD memory object, got {memory_obj.metadata.fmt}")
-        t, blk, off = self._slots(memory_obj, start, end, kwargs)
+        t, blk, cols = self._index(memory_obj, start, end, kwargs)
         # vLLM-cached prefix blocks may be shared with running requests: leave them alone.
         skip = min(end - start, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
-        blk, off = blk[skip:], off[skip:]
-        n = blk.numel()
-        for layer, view in enumerate(self._views):
-            src = t[:, layer, skip:].reshape(2, n, self.num_kv_heads, self.head_size)
-            view[blk, off] = src.permute(1, 0, 2, 3)
+        blk, cols = blk[skip:], cols[skip:]
+        for layer, flat in enumerate(self._flat):
+            flat[blk, cols] = t[:, layer, skip:].transpose(0, 1).reshape(cols.shape)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
         for obj, s, e in zip(memory_objs, starts, ends, strict=True):

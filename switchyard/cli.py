@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     up.add_argument("--prefill", type=_positive_int, default=1, help="prefill workers")
     up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
-    up.add_argument("--ready-timeout-s", type=float, default=60.0)
+    up.add_argument("--ready-timeout-s", type=float, default=None,
+                    help="default: 60 s, or 600 s for the vllm engine (engines boot in 30-90 s on a CPU host)")
+    up.add_argument("--mooncake-segment-bytes", type=_positive_int, default=1 << 30,
+                    help="vllm: memory the Mooncake Store's segment process lends the store")
+    up.add_argument("--mooncake-external", action="store_true",
+                    help="vllm: use the Mooncake Store named by --mooncake-master instead of starting one")
     up.add_argument("--max-restarts", type=int, default=5,
                     help="restarts of a crashed child before the stack stops (0: stop at the first crash)")
     _add_ingress_options(up)
@@ -56,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     worker.add_argument("--worker-id", default="")
     worker.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="model directory")
-    worker.add_argument("--block-size", type=_positive_int, default=16)
+    worker.add_argument("--block-size", type=_positive_int, default=None, help="default: 16 (sim), 32 (vllm)")
     worker.add_argument("--served-model-name", default="", help="the model's name on the bus (default: its directory's)")
     _add_worker_options(worker)
 
@@ -99,7 +104,8 @@ def _add_ingress_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     if not any(a.dest == "block_size" for a in p._actions):
-        g.add_argument("--block-size", type=_positive_int, default=16)
+        g.add_argument("--block-size", type=_positive_int, default=None,
+                       help="the engine's KV block size; default: 16 (sim), 32 (vllm)")
     g.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024)
     g.add_argument("--default-max-tokens", type=_positive_int, default=1024)
     g.add_argument("--stream-idle-timeout-s", type=float, default=60.0)
@@ -289,7 +295,20 @@ def _startup_errors() -> tuple[type[Exception], ...]:
 _STARTUP_ERRORS = _startup_errors()
 
 
+def _resolve_defaults(args: argparse.Namespace) -> None:
+    """Defaults that depend on the engine: vLLM's CPU backend takes blocks of 32 and up."""
+    vllm = getattr(args, "engine", "sim") == "vllm" or getattr(args, "key_scheme", "") == "vllm-sha256-cbor"
+    if getattr(args, "block_size", 0) is None:
+        args.block_size = 32 if vllm else 16
+    if getattr(args, "ready_timeout_s", 0) is None:
+        args.ready_timeout_s = 600.0 if vllm else 60.0
+    if getattr(args, "engine", "sim") == "vllm" and Path(args.model) == BUNDLED_MODEL:
+        raise ValueError("the vllm engine needs a model directory (--model DIR); "
+                         "`switchyard build-tiny-model DIR` builds a tiny one")
+
+
 def _main(args: argparse.Namespace) -> int:
+    _resolve_defaults(args)
     logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
                         format=f"%(asctime)s {args.command:<9} %(levelname)-7s %(name)s: %(message)s")
     from observability import tracing

@@ -113,3 +113,82 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+# --- Mooncake Store: a master (with its HTTP metadata server) and a segment process -----
+
+
+def mooncake_binary(name: str) -> Path:
+    """``mooncake_master`` / ``mooncake_client`` from the ``mooncake-transfer-engine``
+    wheel (the ``kv`` extra), in this environment's scripts folder."""
+    candidate = Path(sysconfig.get_path("scripts")) / name
+    if candidate.exists():
+        return candidate
+    found = shutil.which(name)
+    if found is None:
+        raise ProcessError(f"{name} not found: pip install 'switchyard[kv]' (Debian also needs "
+                           "libibverbs1 libnl-3-200 libnl-route-3-200)")
+    return Path(found)
+
+
+@dataclass(frozen=True)
+class MooncakePorts:
+    rpc: int
+    metadata: int
+    metrics: int
+    segment: int
+    host: str = "127.0.0.1"
+
+    @classmethod
+    def pick(cls, host: str = "127.0.0.1") -> "MooncakePorts":
+        return cls(rpc=free_port(host), metadata=free_port(host), metrics=free_port(host),
+                   segment=free_port(host), host=host)
+
+    @property
+    def master_address(self) -> str:
+        return f"{self.host}:{self.rpc}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://{self.host}:{self.metadata}/metadata"
+
+
+def mooncake_master_command(ports: MooncakePorts) -> list[str]:
+    # Note: this build's HTTP metadata server listens on every interface whatever host
+    # it is given; keep the host's firewall closed to it.
+    return [str(mooncake_binary("mooncake_master")), f"--rpc_port={ports.rpc}",
+            "--enable_http_metadata_server=true", f"--http_metadata_server_host={ports.host}",
+            f"--http_metadata_server_port={ports.metadata}", f"--metrics_host={ports.host}",
+            f"--metrics_port={ports.metrics}", "--logtostderr=true", "--minloglevel=1"]
+
+
+def mooncake_segment_command(ports: MooncakePorts, segment_bytes: int) -> list[str]:
+    """The process that lends the store its memory (the engines lend none)."""
+    return [str(mooncake_binary("mooncake_client")), f"--master_server_address={ports.master_address}",
+            f"--metadata_server={ports.metadata_server}", f"--host={ports.host}", f"--port={ports.segment}",
+            f"--global_segment_size={segment_bytes // (1 << 20)}MB", "--protocol=tcp", "--logtostderr=true", "--minloglevel=1"]
+
+
+@dataclass(frozen=True)
+class MooncakeStore:
+    ports: MooncakePorts
+    master: subprocess.Popen
+    segment: subprocess.Popen
+
+
+@contextmanager
+def mooncake_store(segment_bytes: int = 512 << 20, host: str = "127.0.0.1",
+                   stdout=subprocess.DEVNULL) -> Iterator[MooncakeStore]:
+    """A private Mooncake Store on loopback: master, then a segment; stopped on exit."""
+    ports = MooncakePorts.pick(host)
+    master = spawn(mooncake_master_command(ports), stdout=stdout)
+    procs = [master]
+    try:
+        wait_for_port(host, ports.rpc, 20.0, master)
+        wait_for_port(host, ports.metadata, 20.0, master)
+        segment = spawn(mooncake_segment_command(ports, segment_bytes), stdout=stdout)
+        procs.insert(0, segment)
+        wait_for_port(host, ports.segment, 20.0, segment)
+        yield MooncakeStore(ports=ports, master=master, segment=segment)
+    finally:
+        stop(procs)

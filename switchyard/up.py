@@ -46,6 +46,8 @@ def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, l
               "--sim-cache-blocks", str(args.sim_cache_blocks),
               "--sim-host-cache-blocks", str(args.sim_host_cache_blocks),
               "--sim-host-fetch-per-token-s", str(args.sim_host_fetch_per_token_s)]
+    if args.engine == "vllm":
+        worker += vllm_worker_options(args)
     commands = [("scheduler", procs.service_command(
         "scheduler", *common, "--max-queued-tokens", str(args.max_queued_tokens),
         "--worker-expiry-s", str(args.worker_expiry_s), "--policy", args.policy,
@@ -59,8 +61,52 @@ def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, l
         "ingress", *common, "--model", str(args.model), "--served-model-name", args.served_model_name,
         "--host", args.host, "--port", str(args.port), "--block-size", str(args.block_size),
         "--max-body-bytes", str(args.max_body_bytes), "--default-max-tokens", str(args.default_max_tokens),
-        "--stream-idle-timeout-s", str(args.stream_idle_timeout_s))))
+        "--stream-idle-timeout-s", str(args.stream_idle_timeout_s),
+        "--key-scheme", "vllm-sha256-cbor" if args.engine == "vllm" else "blake2b", "--hash-seed", args.hash_seed)))
     return commands
+
+
+def vllm_worker_options(args: argparse.Namespace) -> list[str]:
+    """The vllm engine's options, passed through to every worker (one pool config)."""
+    options = ["--kv-transfer", args.kv_transfer, "--dtype", args.dtype, "--seed", str(args.seed),
+               "--hash-seed", args.hash_seed, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+               "--tensor-parallel-size", str(args.tensor_parallel_size),
+               "--pipeline-parallel-size", str(args.pipeline_parallel_size),
+               "--data-parallel-size", str(args.data_parallel_size),
+               "--mooncake-master", args.mooncake_master, "--mooncake-metadata-server", args.mooncake_metadata_server,
+               "--lmcache-local-cpu-bytes", str(args.lmcache_local_cpu_bytes),
+               "--lmcache-disk-bytes", str(args.lmcache_disk_bytes)]
+    for flag, value in (("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
+                        ("--kv-cache-bytes", args.kv_cache_bytes), ("--lmcache-disk-dir", args.lmcache_disk_dir),
+                        ("--speculative-method", args.speculative_method),
+                        ("--speculative-model", args.speculative_model)):
+        if value:
+            options += [flag, str(value)]
+    if args.speculative_method:
+        options += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if args.enforce_eager:
+        options.append("--enforce-eager")
+    if args.enable_expert_parallel:
+        options.append("--enable-expert-parallel")
+    return options
+
+
+def _start_mooncake(args: argparse.Namespace, stack: ExitStack, children: list["_Child"]) -> None:
+    """The Mooncake Store the vllm engine's KV goes through: a master and a segment process,
+    supervised like every other child, started (and ready) before the workers."""
+    ports = procs.MooncakePorts.pick()
+    for name, command, port in (
+        ("mooncake-master", procs.mooncake_master_command(ports), ports.rpc),
+        ("mooncake-segment", procs.mooncake_segment_command(ports, args.mooncake_segment_bytes), ports.segment),
+    ):
+        child = _Child(name, command, procs.spawn(command, env=procs.child_env()))
+        children.append(child)
+        procs.wait_for_port(ports.host, port, 30.0, child.process)
+    args.mooncake_master, args.mooncake_metadata_server = ports.master_address, ports.metadata_server
+    if args.kv_transfer == "lmcache" and not args.lmcache_disk_dir:
+        import tempfile
+
+        args.lmcache_disk_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="switchyard-lmcache-"))
 
 
 def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
@@ -74,6 +120,8 @@ def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
         with ExitStack() as stack:
             nats_url = args.nats or stack.enter_context(procs.nats_server()).url
             stack.callback(_stop_children, children)  # runs before NATS stops
+            if args.engine == "vllm" and args.kv_transfer in ("mooncake-store", "lmcache") and not args.mooncake_external:
+                _start_mooncake(args, stack, children)
             for name, command in child_commands(args, nats_url):
                 children.append(_Child(name, command, procs.spawn(command, env=procs.child_env())))
             url = f"http://{_display_host(args.host)}:{args.port}"
