@@ -52,8 +52,9 @@ def block_keys(tokens: list[int], block_size: int, salt: Salt) -> list[BlockKey]
 # a seed: ``PYTHONHASHSEED`` when set, else the fixed string below. The tenant salt
 # enters as vLLM's ``cache_salt`` on the first block only. When the workers run vLLM,
 # the ingress computes the very same hashes, so the scheduler's prefix index, the
-# engine's KV events and the Mooncake Store's keys all name a block alike. Only the
-# first 8 bytes of each 32-byte digest travel on the bus as the block key.
+# engine's KV events and the Mooncake Store's keys all name a block alike. The bus key
+# is the digest's low 64 bits read big-endian, which is how vLLM's own KV events shorten
+# it by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
 
 VLLM_DEFAULT_HASH_SEED = "vllm-none-hash"
 
@@ -64,8 +65,8 @@ def cache_salt_for(tenant: str, model: str) -> str:
 
 
 def key_of_digest(digest: bytes) -> BlockKey:
-    """The bus key of a vLLM block hash (its first 8 bytes, little-endian)."""
-    return BlockKey(int.from_bytes(digest[:8], "little"))
+    """The bus key of a vLLM block hash: its low 64 bits, as vLLM's KV events give it."""
+    return BlockKey(int.from_bytes(digest, "big") & (2**64 - 1))
 
 
 def _sha256_cbor(value: object) -> bytes:

@@ -14,6 +14,8 @@ Why each setting:
   legacy positional name), so both are written (``mooncake_`` prefixed keys are forwarded
   with the prefix stripped). Without ``master_server_addr`` the client retries a default
   master for minutes ("Client not available").
+* ``kv_load_failure_policy: recompute`` in the vLLM config: a lost remote tier costs a
+  recompute, not a failed request.
 * ``MOONCAKE_CONFIG_PATH`` must be unset in the engine's environment: LMCache prefers that
   file over this config.
 """
@@ -94,5 +96,8 @@ def write_lmcache_config(
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": role,
+        # vLLM's default "fail" ends a request whose KV load came back short (e.g. the
+        # Mooncake segment died after lookup); recompute the missing blocks instead.
+        "kv_load_failure_policy": "recompute",
     }
     return env, kv_transfer_config

@@ -174,7 +174,7 @@ def test_written_config_loads_in_lmcache(tmp_path: Path) -> None:
         disk_dir=tmp_path / "disk", disk_gb=1, mooncake_rpc_port=51151, mooncake_http_port=51180,
     )
     assert kvt == {"kv_connector": "LMCacheCPUConnectorV1", "kv_connector_module_path": "kvbus.lmcache_cpu",
-                   "kv_role": "kv_consumer"}
+                   "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
     cfg = load_engine_config_with_overrides(config_file_path=env["LMCACHE_CONFIG_FILE"])
     assert cfg.chunk_size == 256 and cfg.pre_caching_hash_algorithm == "sha256_cbor"
     assert cfg.remote_url == "mooncakestore://127.0.0.1:51151/"
