@@ -70,6 +70,7 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec = TinyModelSpec(), *, 
         tok_config["model_max_length"] = spec.max_position_embeddings
         (staging / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
         (staging / _STAMP).write_text(json.dumps(asdict(spec)))
+        staging.chmod(0o755)  # mkdtemp made it private
         if directory.exists():
             shutil.rmtree(directory)
         staging.rename(directory)

@@ -1,0 +1,82 @@
+"""The block keys the ingress computes for vLLM workers are the engine's own block hashes,
+checked against vLLM's code (same algorithm, same root, same salt rule), and the KV-event
+bridge turns vLLM's events into those keys. Imports vLLM (the CPU build ``make`` installs)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvbus import KeyScheme, cache_salt_for, key_of_digest, vllm_block_hashes
+
+# Not skipped without vLLM: `make test` installs it, and its absence is a failure.
+from vllm.distributed import kv_events as vllm_events  # noqa: E402
+from vllm.v1.core import kv_cache_utils  # noqa: E402
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+
+from workers.vllm_engine import VllmKvEvents  # noqa: E402
+
+
+def _engine_hashes(tokens: list[int], block_size: int, salt: str | None) -> list[bytes]:
+    """What vLLM's scheduler computes: its own chained hash, its own extra-keys rule."""
+    kv_cache_utils.init_none_hash(sha256_cbor)
+
+    class _Request:  # the fields generate_block_hash_extra_keys reads
+        mm_features: list = []
+        lora_request = None
+        cache_salt = salt
+        prompt_embeds = None
+
+    parent, hashes = None, []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        extra, _ = kv_cache_utils.generate_block_hash_extra_keys(_Request(), start, start + block_size, 0)
+        parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, tokens[start:start + block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-salt"])
+@pytest.mark.parametrize("length", [31, 32, 100, 257])
+def test_our_hashes_are_the_engines(salt, length, monkeypatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    tokens = [(i * 7919) % 4000 for i in range(length)]
+    assert vllm_block_hashes(tokens, 32, salt) == _engine_hashes(tokens, 32, salt)
+    assert len(vllm_block_hashes(tokens, 32, salt)) == length // 32
+
+
+def test_a_seed_changes_every_hash_and_the_salt_only_through_the_first_block(monkeypatch) -> None:
+    tokens = list(range(64))
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    assert vllm_block_hashes(tokens, 32, None, seed="1234") == _engine_hashes(tokens, 32, None)
+    assert vllm_block_hashes(tokens, 32, None, seed="1234") != vllm_block_hashes(tokens, 32, None)
+    a, b = KeyScheme("vllm-sha256-cbor").keys(tokens, 32, "acme", "m"), KeyScheme("vllm-sha256-cbor").keys(
+        tokens, 32, "globex", "m")
+    assert a[0] != b[0] and a[1] != b[1]  # chained: the salted first block changes all that follow
+
+
+def test_bus_keys_are_vllms_int_form_of_the_hash() -> None:
+    digest = vllm_block_hashes(list(range(32)), 32)[0]
+    assert key_of_digest(digest) == kv_cache_utils.maybe_convert_block_hash(digest)
+
+
+def test_the_bridge_turns_engine_events_into_ingress_keys() -> None:
+    tokens = list(range(300, 396))
+    salt = cache_salt_for("default", "tiny")
+    hashes = vllm_block_hashes(tokens, 32, salt)
+    expected = KeyScheme("vllm-sha256-cbor").keys(tokens, 32, "default", "tiny")
+    batch = vllm_events.KVEventBatch(ts=1.0, events=[
+        vllm_events.BlockStored(block_hashes=[kv_cache_utils.maybe_convert_block_hash(h) for h in hashes],
+                                parent_block_hash=None, token_ids=tokens, block_size=32, lora_id=None,
+                                medium="CPU", lora_name=None),
+        vllm_events.BlockRemoved(block_hashes=[hashes[2]], medium="CPU"),  # the bytes form, too
+    ])
+    wire = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(msgspec.msgpack.Encoder().encode(batch))
+    bridge = VllmKvEvents("ipc:///unused")
+    bridge.apply(wire)
+    events = bridge.take_kv_events()
+    assert [type(e).__name__ for e in events] == ["BlocksStored", "BlocksRemoved"]
+    assert events[0].keys == expected and events[1].keys == [expected[2]]
+    assert sorted(bridge.cached_blocks()["device"]) == sorted(expected[:2])
+    assert bridge.take_kv_events() == []
+    bridge.apply(vllm_events.KVEventBatch(ts=2.0, events=[vllm_events.AllBlocksCleared()]))
+    assert bridge.cached_blocks() == {} and type(bridge.take_kv_events()[0]).__name__ == "AllBlocksCleared"
