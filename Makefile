@@ -35,5 +35,8 @@ test: install
 bench-overhead: install
 	$(VENV)/bin/switchyard bench overhead --out bench/results/overhead
 
+bench-kv: install $(TINY_MODEL)/switchyard-tiny.json
+	$(VENV)/bin/switchyard bench kv --model $(TINY_MODEL) --out bench/results/kv
+
 clean:
 	rm -rf $(VENV) build *.egg-info .cache

@@ -71,12 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from bench import live, overhead, sim
+    from bench import kv, live, overhead, sim
 
     for name, module, help_ in (
         ("overhead", overhead, "what the fabric adds: TTFT, stream throughput, memory"),
         ("sim", sim, "replay a trace through the scheduler core over a simulated fleet"),
         ("live", live, "replay a trace, time-scaled, through the running system and beside its simulation"),
+        ("kv", kv, "vllm: TTFT with the prefix loaded from LMCache/Mooncake vs recomputed, and raw Mooncake"),
     ):
         module.add_arguments(bench_sub.add_parser(name, help=help_))
     return parser

@@ -87,6 +87,22 @@ def test_workers_have_the_roles_they_are_named_for(services):
         assert (args.command, args.role) == ("worker", name)
 
 
+def test_vllm_workers_and_ingress_agree_and_reach_the_mooncake_store(services):
+    ingress = parse_command(services["ingress"]["command"])
+    assert ingress.key_scheme == "vllm-sha256-cbor"
+    master = services["mooncake-master"]["command"]
+    rpc = next(a.split("=", 1)[1] for a in master if a.startswith("--rpc_port="))
+    http = next(a.split("=", 1)[1] for a in master if a.startswith("--http_metadata_server_port="))
+    segment = services["mooncake-segment"]["command"]
+    assert f"--master_server_address=mooncake-master:{rpc}" in segment
+    for name in GPU_WORKERS:
+        args = parse_command(services[name]["command"])
+        assert args.engine == "vllm" and args.block_size == ingress.block_size
+        assert args.mooncake_master == f"mooncake-master:{rpc}"
+        assert args.mooncake_metadata_server == f"http://mooncake-master:{http}/metadata"
+        assert "mooncake-segment" in depends_on(services[name])
+
+
 def test_nats_runs_jetstream_with_a_volume(services):
     nats = services[NATS_SERVICE]
     assert nats["image"].startswith("nats:2.10")
