@@ -8,7 +8,8 @@ run them (``workers.vllm_engine.VllmEngine``): a prefill engine that computes a 
 and saves its KV, and a decode-side engine (``kv_consumer``) that then serves the same
 prompt. For each prompt length, repeated with a fresh tenant each time (so nothing is in
 any engine's own prefix cache):
-- ``load``: the consumer's first token for a prompt the prefill engine just stored;
+- ``load``: the consumer's first token for a prompt the prefill engine just stored (once
+  the store reports it written, as the prefill worker waits before handing over);
 - ``recompute``: the consumer's first token for the same tokens under another tenant,
   which nothing has stored: it computes the whole prompt.
 Loaded tokens come from the engine's own count (``num_cached_tokens``), so a silent
@@ -103,7 +104,8 @@ async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: 
             prompt = [256 + (i * 7919) % 3800 for i in range(length)]
             for r in range(repeats):
                 tenant = f"{path}-{length}-{r}-{time.time_ns()}"
-                await producer.prefill([_task(prompt, tenant)])
+                stored = _task(prompt, tenant)
+                await producer.wait_handoff([stored], await producer.prefill([stored]))  # as a prefill worker does
                 (loaded,) = await consumer.prefill([_task(prompt, tenant)])
                 (computed,) = await consumer.prefill([_task(prompt, tenant + "-cold")])
                 row = {"path": path, "length": length, "repeat": r,

@@ -178,8 +178,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_size])
 
-
-_original_factory = None
+_original_factory: Any = None  # LMCache's own factory, once wrapped
 
 
 def register_cpu_kv_connector() -> None:

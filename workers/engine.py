@@ -43,6 +43,14 @@ class PrefillEngine(Protocol):
 
 
 @runtime_checkable
+class HandoffEngine(Protocol):
+    """A prefill engine whose KV reaches its store after the first token (vLLM's
+    connectors write asynchronously): the role waits on it before announcing the handle."""
+
+    async def wait_handoff(self, tasks: list[PrefillTask], results: list[PrefillResult]) -> None: ...
+
+
+@runtime_checkable
 class EngineLifecycle(Protocol):
     """An engine that boots (``vllm``): the worker starts it before it registers, so a
     worker is announced only when its engine can serve, and stops it on the way out."""

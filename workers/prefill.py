@@ -18,7 +18,7 @@ from opentelemetry.trace import Span
 
 from observability import tracing
 from schemas import PrefillDone, PrefillFailed, PrefillTask, StreamChunk, WorkerTask
-from workers.engine import PrefillEngine, PrefillResult
+from workers.engine import HandoffEngine, PrefillEngine, PrefillResult
 from workers.handoff import first_token
 from workers.kv_events import KvCacheView, NoKvCache
 from workers.runtime import WorkerBus
@@ -123,6 +123,9 @@ class PrefillRole:
         # Token 0 reaches the ingress before the scheduler can start decode (same connection).
         for ingress_id, chunks in by_ingress.items():
             await bus.stream(ingress_id, chunks)
+        if done and isinstance(self.engine, HandoffEngine):
+            # The client has its first token; decode starts once the KV can be found.
+            await self.engine.wait_handoff([job.task for job in batch], results)
         for event in done:
             await bus.event(event)
 

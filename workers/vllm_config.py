@@ -137,6 +137,8 @@ class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     mooncake: MooncakeSettings = MooncakeSettings()
     lmcache: LmcacheSettings = LmcacheSettings()
     work_dir: str = ""  # config files and sockets; default: a temporary directory
+    # prefill: how long PrefillDone waits for the KV to be written to the store
+    handoff_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 16:

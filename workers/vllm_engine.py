@@ -107,18 +107,42 @@ def _stat_logger_factory(counters: EngineCounters):
 
 
 class VllmKvEvents:
-    """The engine's KV-cache events, bridged from its ZMQ publisher: ``KvCacheView``."""
+    """The engine's KV-cache events, bridged from its ZMQ publisher: ``KvCacheView``.
+
+    vLLM's own block pool reports its device cache (medium ``GPU``, on CPU hosts too); a
+    KV connector reports what it finished writing to its store (MooncakeStoreConnector:
+    medium ``cpu``, after the put succeeded). The first are the ``device`` tier, the
+    second the ``cluster`` tier: blocks any engine of the model can load.
+    """
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self._held: set[int] = set()
+        self._held: dict[Tier, set[int]] = {}
         self._events: list[KvEvent] = []
         self.changed = asyncio.Event()
+        self._stored = asyncio.Event()  # set on every batch: wakes ``wait_stored``
         self.last_seq = -1
         self.gaps = 0
 
     def cached_blocks(self) -> dict[Tier, list[int]]:
-        return {"device": list(self._held)} if self._held else {}
+        return {tier: list(keys) for tier, keys in self._held.items() if keys}
+
+    def holds(self, tier: Tier, keys: list[int]) -> bool:
+        return set(keys) <= self._held.get(tier, set())
+
+    async def wait_stored(self, tier: Tier, keys: list[int], timeout_s: float) -> bool:
+        """True once every key is reported stored in ``tier``; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.holds(tier, keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._stored.clear()
+            try:
+                await asyncio.wait_for(self._stored.wait(), left)
+            except asyncio.TimeoutError:
+                return self.holds(tier, keys)
+        return True
 
     def take_kv_events(self) -> list[KvEvent]:
         events, self._events = self._events, []
@@ -132,18 +156,21 @@ class VllmKvEvents:
 
         for event in batch.events:
             if isinstance(event, BlockStored):
+                tier = _tier(event.medium)
                 keys = [_key(h) for h in event.block_hashes]
-                self._held.update(keys)
-                self._events.append(BlocksStored(keys=keys))
+                self._held.setdefault(tier, set()).update(keys)
+                self._events.append(BlocksStored(keys=keys, tier=tier))
             elif isinstance(event, BlockRemoved):
+                tier = _tier(event.medium)
                 keys = [_key(h) for h in event.block_hashes]
-                self._held.difference_update(keys)
-                self._events.append(BlocksRemoved(keys=keys))
+                self._held.get(tier, set()).difference_update(keys)
+                self._events.append(BlocksRemoved(keys=keys, tier=tier))
             elif isinstance(event, VllmCleared):
-                self._held.clear()
+                self._held.pop("device", None)  # the engine's own cache; the store keeps its blocks
                 self._events.append(AllBlocksCleared())
         if self._events:
             self.changed.set()
+        self._stored.set()
 
     async def run(self) -> None:
         """Receive until cancelled. Connects before the engine binds (ZMQ retries), so no
@@ -169,6 +196,10 @@ class VllmKvEvents:
                 self.apply(decoder.decode(payload))
         finally:
             sock.close(linger=0)
+
+
+def _tier(medium: str | None) -> Tier:
+    return "device" if medium is None or medium.upper() == "GPU" else "cluster"
 
 
 def _key(block_hash: bytes | int) -> int:
@@ -280,6 +311,32 @@ class VllmEngine:
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             raise RuntimeError(f"vLLM returned no token for {spec.request_id}")
         return final.outputs[0].token_ids[0], final.num_cached_tokens or 0, final.kv_transfer_params
+
+    async def wait_handoff(self, tasks: list[PrefillTask], results: list[PrefillResult]) -> None:
+        """Returns once the KV these prefills computed is in the Mooncake Store, so a decode
+        engine finds it. vLLM writes it after the request's output (asynchronously); its
+        connector reports each block once written (KV events, ``cluster`` tier). Past
+        ``handoff_timeout_s`` the handoff goes ahead and the decode side reports what it
+        could not load."""
+        if self.config.kv_transfer != "mooncake-store" or self._kv_events is None:
+            return
+        from kvbus.keys import key_of_digest, vllm_block_hashes
+
+        block = self.config.block_size
+        waiting: list[int] = []
+        for task, result in zip(tasks, results):
+            spec = task.spec
+            hashes = vllm_block_hashes(spec.prompt_tokens, block, cache_salt_for(spec.tenant, spec.model),
+                                       self.config.hash_seed)
+            # Blocks served from a cache were stored when first computed; the new ones are due.
+            waiting += [key_of_digest(h) for h in hashes[result.cached_tokens // block:]]
+        if not waiting:
+            return
+        timeout = self.config.handoff_timeout_s
+        if not await self._kv_events.wait_stored("cluster", waiting, timeout):
+            missing = len(set(waiting) - set(self._kv_events.cached_blocks().get("cluster", [])))
+            log.warning("%d of %d blocks not in the Mooncake Store after %.1f s: handing over anyway",
+                        missing, len(waiting), timeout)
 
     def _handle(self, spec: RequestSpec, params: dict | None):
         common = {"worker_id": self.worker_id, "num_tokens": len(spec.prompt_tokens),

@@ -132,6 +132,62 @@ def test_the_index_holds_the_engines_blocks_under_the_ingress_keys(stack, bus):
     assert set(keys) <= set(snapshot), "the engine's stored blocks are not the ingress's keys"
 
 
+def test_the_segment_dying_between_prefill_and_decode_means_recompute(stack, bus, references):
+    """The test plays the scheduler for one request, on the bus, so that the segment dies
+    exactly after the prefill stored the KV and before the decode engine loads it."""
+    from kvbus import KeyScheme
+    from schemas import (
+        DecodeTask,
+        PrefillDone,
+        PrefillTask,
+        RequestSpec,
+        SamplingParams,
+        TaskAck,
+        codec,
+        subjects,
+    )
+
+    prompt, expected = references["prompts"][1], references["outputs"][1]
+    workers = {w.role: w.worker_id for w in bus.status().workers}
+    spec = RequestSpec(request_id="between-1", ingress_id="test-ingress", model="tiny-llama", prompt_tokens=prompt,
+                       block_size=BLOCK, block_keys=KeyScheme("vllm-sha256-cbor").keys(prompt, BLOCK, "between",
+                                                                                          "tiny-llama"),
+                       sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), tenant="between")
+    chunks = []
+
+    async def subscribe():
+        async def on_batch(msg):
+            chunks.extend(c for c in codec.STREAM_BATCH.decode(msg.data).chunks if c.request_id == spec.request_id)
+
+        await bus._nc.subscribe(subjects.stream("test-ingress"), cb=on_batch)
+
+    async def dispatch(worker_id: str, task) -> TaskAck:
+        reply = await bus._nc.request(subjects.worker_tasks(worker_id), codec.WORKER_TASK.encode(task), timeout=5)
+        return codec.TASK_ACK.decode(reply.data)
+
+    bus.portal.call(subscribe)
+    assert bus.portal.call(dispatch, workers["prefill"], PrefillTask(spec=spec, queued_s=0.0)).accepted
+    assert wait_until(lambda: any(isinstance(e, PrefillDone) and e.request_id == spec.request_id
+                                  for e in bus.events), 60)
+    done = next(e for e in bus.events if isinstance(e, PrefillDone) and e.request_id == spec.request_id)
+    (segment,) = stack.children("mooncake_client")
+    segment.kill()
+    segment.wait(10)
+    task = DecodeTask(spec=spec, handle=done.handle, first_token=done.first_token, usage=done.usage)
+    assert bus.portal.call(dispatch, workers["decode"], task).accepted
+    assert wait_until(lambda: any(c.finish_reason for c in chunks), 60), "the decode never finished"
+    tokens = {}
+    for chunk in chunks:
+        for i, token in enumerate(chunk.token_ids):
+            tokens[chunk.seq + i] = token
+    assert [tokens[i] for i in sorted(tokens)] == expected["tokens"]
+    assert wait_until(lambda: spec.request_id in bus.finished(), 5)
+    finished = bus.finished()[spec.request_id]
+    assert finished.kv_expected_tokens == len(prompt) // BLOCK * BLOCK > 0
+    assert finished.kv_loaded_tokens < finished.kv_expected_tokens, "loaded from a dead segment?"
+    assert wait_until(lambda: len(stack.children("mooncake_client")) == 1, 30)  # the stack restarts it
+
+
 def test_a_dead_mooncake_segment_means_recompute_not_failure(stack, client, bus, references, tokenizer):
     (segment,) = stack.children("mooncake_client")
     segment.kill()

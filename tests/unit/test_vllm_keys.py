@@ -67,8 +67,8 @@ def test_the_bridge_turns_engine_events_into_ingress_keys() -> None:
     batch = vllm_events.KVEventBatch(ts=1.0, events=[
         vllm_events.BlockStored(block_hashes=[kv_cache_utils.maybe_convert_block_hash(h) for h in hashes],
                                 parent_block_hash=None, token_ids=tokens, block_size=32, lora_id=None,
-                                medium="CPU", lora_name=None),
-        vllm_events.BlockRemoved(block_hashes=[hashes[2]], medium="CPU"),  # the bytes form, too
+                                medium="GPU", lora_name=None),
+        vllm_events.BlockRemoved(block_hashes=[hashes[2]], medium="GPU"),  # the bytes form, too
     ])
     wire = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(msgspec.msgpack.Encoder().encode(batch))
     bridge = VllmKvEvents("ipc:///unused")
@@ -78,5 +78,33 @@ def test_the_bridge_turns_engine_events_into_ingress_keys() -> None:
     assert events[0].keys == expected and events[1].keys == [expected[2]]
     assert sorted(bridge.cached_blocks()["device"]) == sorted(expected[:2])
     assert bridge.take_kv_events() == []
-    bridge.apply(vllm_events.KVEventBatch(ts=2.0, events=[vllm_events.AllBlocksCleared()]))
-    assert bridge.cached_blocks() == {} and type(bridge.take_kv_events()[0]).__name__ == "AllBlocksCleared"
+    # What a KV connector wrote to its store (medium "cpu") is the cluster tier, and survives
+    # the engine clearing its own cache.
+    bridge.apply(vllm_events.KVEventBatch(ts=2.0, events=[vllm_events.BlockStored(
+        block_hashes=[kv_cache_utils.maybe_convert_block_hash(hashes[0])], parent_block_hash=None,
+        token_ids=tokens[:32], block_size=32, lora_id=None, medium="cpu", lora_name=None)]))
+    assert bridge.take_kv_events()[0].tier == "cluster"
+    bridge.apply(vllm_events.KVEventBatch(ts=3.0, events=[vllm_events.AllBlocksCleared()]))
+    assert bridge.cached_blocks() == {"cluster": [expected[0]]}
+    assert type(bridge.take_kv_events()[0]).__name__ == "AllBlocksCleared"
+
+
+@pytest.mark.anyio
+async def test_waiting_for_the_store_returns_when_the_blocks_are_written() -> None:
+    import asyncio
+
+    bridge = VllmKvEvents("ipc:///unused")
+    hashes = vllm_block_hashes(list(range(64)), 32)
+    keys = [key_of_digest(h) for h in hashes]
+    assert not await bridge.wait_stored("cluster", keys, 0.05)
+
+    async def write_later():
+        for h in hashes:
+            await asyncio.sleep(0.02)
+            bridge.apply(vllm_events.KVEventBatch(ts=1.0, events=[vllm_events.BlockStored(
+                block_hashes=[kv_cache_utils.maybe_convert_block_hash(h)], parent_block_hash=None, token_ids=[],
+                block_size=32, lora_id=None, medium="cpu", lora_name=None)]))
+
+    writer = asyncio.create_task(write_later())
+    assert await bridge.wait_stored("cluster", keys, 5)
+    await writer
