@@ -29,6 +29,7 @@ worker processes because vLLM imports this module there by name)::
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import torch
@@ -209,11 +210,67 @@ def register_cpu_kv_connector() -> None:
 
 
 class LMCacheCPUConnectorV1(LMCacheConnectorV1):
-    """vLLM's ``LMCacheConnectorV1`` with the CPU KV adapter registered first.
+    """vLLM's ``LMCacheConnectorV1`` with the CPU KV adapter registered first, and saves
+    that reach the remote tier before the step ends.
 
     Name it in ``kv_transfer_config`` with ``kv_connector_module_path="kvbus.lmcache_cpu"``.
+
+    LMCache writes to its remote tier (the Mooncake Store) in background tasks, so a
+    prefill's request output can come back while its last chunks are still on the way: a
+    decode engine asking at once found 160 of 192 tokens. The handoff needs them in the
+    shared tier, so after LMCache's own ``wait_for_save`` this waits (bounded by
+    ``REMOTE_SAVE_TIMEOUT_S``) for the remote puts in flight to finish. A consumer never
+    saves: nothing to wait for.
     """
+
+    REMOTE_SAVE_TIMEOUT_S = 10.0
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         register_cpu_kv_connector()
         super().__init__(vllm_config, role, kv_cache_config)
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        deadline = time.monotonic() + self.REMOTE_SAVE_TIMEOUT_S
+        for backend in self._remote_backends():
+            while (backend.put_tasks or getattr(backend, "_switchyard_batches", 0)) and time.monotonic() < deadline:
+                time.sleep(0.0005)
+
+    def _remote_backends(self) -> list[Any]:
+        from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+        engine = getattr(self._lmcache_engine, "lmcache_engine", None)
+        backends = getattr(getattr(engine, "storage_manager", None), "storage_backends", None) or {}
+        remotes = [b for b in backends.values() if isinstance(b, RemoteBackend)]
+        for backend in remotes:
+            _track_batched_puts(backend)
+        return remotes
+
+
+def _track_batched_puts(backend: Any) -> None:
+    """Count the remote backend's batched puts in flight (LMCache tracks single puts in
+    ``put_tasks`` but not batches): counted when submitted, in the saving thread, and
+    uncounted when the write finishes on LMCache's event loop."""
+    connection = getattr(backend, "connection", None)
+    if connection is None or getattr(backend, "_switchyard_batches", None) is not None:
+        return
+    import threading
+
+    lock = threading.Lock()
+    backend._switchyard_batches = 0
+    original = connection.batched_put
+
+    def tracked(keys: Any, objs: Any) -> Any:
+        with lock:
+            backend._switchyard_batches += 1
+
+        async def run() -> Any:
+            try:
+                return await original(keys, objs)
+            finally:
+                with lock:
+                    backend._switchyard_batches -= 1
+
+        return run()
+
+    connection.batched_put = tracked

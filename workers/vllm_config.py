@@ -11,8 +11,9 @@ KV transfer, by ``kv_transfer``:
   (``kv_consumer``) finds them there by the same hashes. A ``mooncake_client`` process
   owns the store's memory (``standalone-store``); the engines contribute none.
 - ``lmcache``: vLLM's ``LMCacheConnectorV1`` with LMCache's local memory and disk tiers
-  and the Mooncake Store as its remote tier (``kvbus.lmcache_config``). On a CPU host
-  the connector is ``kvbus.lmcache_cpu``'s, which adds the CPU KV adapter LMCache lacks.
+  and the Mooncake Store as its remote tier (``kvbus.lmcache_config``). The connector is
+  ``kvbus.lmcache_cpu.LMCacheCPUConnectorV1``: LMCache's own, with the CPU KV adapter
+  LMCache lacks registered first (on a GPU host it changes nothing).
 - ``nixl``: vLLM's ``NixlConnector``: the decode engine pulls the blocks straight from
   the prefill engine's GPU memory; the handle carries the engine's transfer params.
 - ``none``: no transfer; the decode engine recomputes the prompt (a baseline).
@@ -168,7 +169,7 @@ class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             return {"kv_connector": "NixlConnector", **common}
         from kvbus.lmcache_config import lmcache_transfer_config
 
-        return lmcache_transfer_config(self, role, work_dir) | {"kv_load_failure_policy": "recompute"}
+        return lmcache_transfer_config(self, role, work_dir)
 
     def engine_args(self, model: str, role: str, work_dir: Path, kv_events_endpoint: str | None) -> dict[str, Any]:
         """Keyword arguments of vLLM's ``AsyncEngineArgs``."""
@@ -199,8 +200,12 @@ class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         removes a variable. vLLM roots its block hashes on ``PYTHONHASHSEED`` when it is set."""
         seed = None if self.hash_seed == VLLM_DEFAULT_HASH_SEED else self.hash_seed
         env: dict[str, str | None] = {"PYTHONHASHSEED": seed, "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache")}
-        if self.kv_transfer in ("mooncake-store", "lmcache"):
+        if self.kv_transfer == "mooncake-store":
             path = work_dir / "mooncake.json"
             path.write_text(json.dumps(self.mooncake.store_config()))
             env["MOONCAKE_CONFIG_PATH"] = str(path)
+        elif self.kv_transfer == "lmcache":
+            from kvbus.lmcache_config import lmcache_environment
+
+            env |= lmcache_environment(work_dir)
         return env

@@ -16,7 +16,6 @@ boot here. What the tests prove, from the engines' own counters rather than timi
 from __future__ import annotations
 
 import random
-import time
 
 import httpx
 import openai
@@ -31,6 +30,7 @@ from tests.support.vllm_stack import (
     UpStack,
     reference_outputs,
     seeded_prompts,
+    settled_stats,
     tiny_model,
     vllm_stack,
 )
@@ -89,13 +89,13 @@ def test_shared_prefix_is_reported_cached_and_not_recomputed(client, bus, tokeni
     first = client.completions.create(model="tiny-llama", prompt=PREFIX + [300, 301], max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert wait_until(lambda: bus.stats("prefill").prompt_tokens >= 1, 5)
-    before = _settled(bus, "prefill")
+    before = settled_stats(bus, "prefill")
 
     second = client.completions.create(model="tiny-llama", prompt=PREFIX + [400, 401, 402], max_tokens=4,
                                        temperature=0)
     shared = len(PREFIX) // BLOCK * BLOCK
     assert second.usage.prompt_tokens_details.cached_tokens == shared
-    after = _settled(bus, "prefill", more_than=before.prompt_tokens)
+    after = settled_stats(bus, "prefill", more_than=before.prompt_tokens)
     # The prefill engine's own counters: it computed only the tokens past the shared blocks.
     assert after.prompt_tokens - before.prompt_tokens == len(PREFIX) + 3
     assert after.computed_tokens - before.computed_tokens == len(PREFIX) + 3 - shared
@@ -221,19 +221,6 @@ def test_a_dead_mooncake_segment_means_recompute_not_failure(stack, client, bus,
 def _whole_blocks(prompt_tokens: int) -> int:
     """What a prefix cache can serve of a prompt: its whole blocks, but never its last token."""
     return (prompt_tokens - 1) // BLOCK * BLOCK
-
-
-def _settled(bus: BusWatch, role: str, more_than: int = -1):
-    """The role's counters once a heartbeat has carried the last request's figures."""
-    stats = bus.stats(role)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        time.sleep(0.5)  # two report intervals
-        newer = bus.stats(role)
-        if newer == stats and newer.prompt_tokens > more_than:
-            return newer
-        stats = newer
-    raise AssertionError(f"{role} counters did not settle: {stats}")
 
 
 def _snapshot(bus: BusWatch, role: str) -> list[int]:

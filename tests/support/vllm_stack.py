@@ -195,3 +195,16 @@ class BusWatch:
 
         return {e.request_id: e for e in self.events
                 if isinstance(e, RequestFinished) and e.worker_id.startswith(worker_prefix)}
+
+
+def settled_stats(bus: BusWatch, role: str, more_than: int = -1):
+    """The role's engine counters once heartbeats have carried the last request's figures."""
+    stats = bus.stats(role)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.5)  # more than two report intervals
+        newer = bus.stats(role)
+        if newer == stats and newer.prompt_tokens > more_than:
+            return newer
+        stats = newer
+    raise AssertionError(f"{role} counters did not settle: {stats}")
