@@ -437,6 +437,13 @@ class VllmEngine:
         from vllm import SamplingParams
 
         s = spec.sampling
+        if self.config.kv_transfer == "lmcache":
+            # LMCache keys its chunks by tokens alone: vLLM's cache_salt does not reach them.
+            # A tag does, so one tenant's prompt never loads another tenant's KV.
+            extra_args = dict(extra_args or {})
+            params = dict(extra_args.get("kv_transfer_params") or {})
+            params["lmcache.tag.salt"] = cache_salt_for(spec.tenant, spec.model)
+            extra_args["kv_transfer_params"] = params
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                                   "seed": s.seed, "detokenize": False, "extra_args": extra_args}
         if kind is not None:

@@ -109,6 +109,17 @@ def test_shared_prefix_is_reported_cached_and_the_disk_tier_written(client, bus,
     assert wait_until(lambda: any(p.is_file() for p in disk.rglob("*")), 10), "nothing on LMCache's disk tier"
 
 
+def test_one_tenant_never_loads_anothers_kv(client, references):
+    """LMCache keys chunks by tokens alone; the worker tags each request with its tenant's
+    salt, so a prompt another tenant computed is computed again, not served."""
+    prompt = references["prompts"][3]  # served to the default tenant above
+    other = client.with_options(default_headers={"x-switchyard-tenant": "other-tenant"}).completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=2, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+
+
 def test_a_dead_mooncake_segment_means_recompute_not_failure(stack, client, bus, references, tokenizer):
     (segment,) = stack.children("mooncake_client")
     segment.kill()
