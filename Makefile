@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TINY_MODEL ?= .cache/tiny-llama
 
-.PHONY: run run-sim test install bench-overhead bench-kv clean
+.PHONY: run test install bench-overhead bench-kv clean
 
 $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh
 	bash scripts/install-system-deps.sh
@@ -25,9 +25,6 @@ $(TINY_MODEL)/switchyard-tiny.json: | install
 run: install $(TINY_MODEL)/switchyard-tiny.json
 	$(VENV)/bin/switchyard up --engine vllm --model $(TINY_MODEL) --dtype float32 --enforce-eager \
 		--kv-cache-bytes 134217728 --max-model-len 32768
-
-run-sim: install
-	$(VENV)/bin/switchyard up --engine sim
 
 test: install
 	$(PY) -m pytest -q

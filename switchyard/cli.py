@@ -171,6 +171,8 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
     v.add_argument("--lmcache-local-cpu-bytes", type=_positive_int, default=512 << 20)
     v.add_argument("--lmcache-disk-dir", default="", help="LMCache's disk tier (empty: none)")
     v.add_argument("--lmcache-disk-bytes", type=_positive_int, default=2 << 30)
+    v.add_argument("--handoff-timeout-s", type=float, default=10.0,
+                   help="prefill: the longest PrefillDone waits for the KV to be in the store")
     v.add_argument("--vllm-work-dir", default="", help="config files and sockets (default: a temporary directory)")
 
 
@@ -237,6 +239,7 @@ def vllm_config(args: argparse.Namespace):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager, seed=args.seed,
         hash_seed=args.hash_seed, speculative=speculative, work_dir=args.vllm_work_dir,
+        handoff_timeout_s=args.handoff_timeout_s,
         parallel=ParallelSettings(tensor=args.tensor_parallel_size, pipeline=args.pipeline_parallel_size,
                                   data=args.data_parallel_size, expert=args.enable_expert_parallel),
         mooncake=MooncakeSettings(master=args.mooncake_master, metadata_server=args.mooncake_metadata_server),

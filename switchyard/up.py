@@ -75,7 +75,8 @@ def vllm_worker_options(args: argparse.Namespace) -> list[str]:
                "--data-parallel-size", str(args.data_parallel_size),
                "--mooncake-master", args.mooncake_master, "--mooncake-metadata-server", args.mooncake_metadata_server,
                "--lmcache-local-cpu-bytes", str(args.lmcache_local_cpu_bytes),
-               "--lmcache-disk-bytes", str(args.lmcache_disk_bytes)]
+               "--lmcache-disk-bytes", str(args.lmcache_disk_bytes),
+               "--handoff-timeout-s", str(args.handoff_timeout_s)]
     for flag, value in (("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
                         ("--kv-cache-bytes", args.kv_cache_bytes), ("--lmcache-disk-dir", args.lmcache_disk_dir),
                         ("--speculative-method", args.speculative_method),

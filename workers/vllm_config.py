@@ -148,6 +148,8 @@ class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_model_len must be positive")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be positive")
+        if self.handoff_timeout_s < 0:
+            raise ValueError("handoff_timeout_s must not be negative")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.hash_seed != VLLM_DEFAULT_HASH_SEED and not self.hash_seed.isdigit():
