@@ -386,9 +386,7 @@ class VllmEngine:
         spec = task.spec
         rid = spec.request_id
         expected = 0 if self.config.kv_transfer == "none" else _expected_loaded(task, self.worker_id)
-        extra = None
-        if isinstance(task.handle, NixlKvHandle):
-            extra = {"kv_transfer_params": json.loads(task.handle.params) | {"do_remote_prefill": True}}
+        extra = decode_transfer_args(task.handle)
         params = self._sampling(spec, max_tokens=spec.sampling.max_tokens - 1, extra_args=extra,
                                 kind=RequestOutputKind.DELTA)
         position, loaded = 1, None
@@ -449,6 +447,15 @@ class VllmEngine:
         if kind is not None:
             kwargs["output_kind"] = kind
         return SamplingParams(**kwargs)
+
+
+def decode_transfer_args(handle: Any) -> dict[str, Any] | None:
+    """What the decode engine's request carries for its connector: for NIXL, the prefill
+    engine's transfer params (where its blocks are) and the order to pull them; the
+    store-backed paths find blocks by hash and need nothing."""
+    if isinstance(handle, NixlKvHandle):
+        return {"kv_transfer_params": json.loads(handle.params) | {"do_remote_prefill": True}}
+    return None
 
 
 def _expected_loaded(task: DecodeTask, worker_id: str) -> int:

@@ -25,8 +25,6 @@ from tests.support.vllm_stack import (
     MAX_TOKENS,
     BusWatch,
     UpStack,
-    reference_outputs,
-    seeded_prompts,
     settled_stats,
     tiny_model,
     vllm_stack,
@@ -64,12 +62,6 @@ def client(stack) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer() -> ModelTokenizer:
     return ModelTokenizer.load(tiny_model())
-
-
-@pytest.fixture(scope="module")
-def references() -> dict:
-    prompts = seeded_prompts()
-    return {"prompts": prompts, "outputs": reference_outputs(tiny_model(), prompts)}
 
 
 def test_greedy_output_through_lmcache_and_speculation_is_one_engines_output(references, client, bus, tokenizer):

@@ -28,8 +28,6 @@ from tests.support.vllm_stack import (
     MAX_TOKENS,
     BusWatch,
     UpStack,
-    reference_outputs,
-    seeded_prompts,
     settled_stats,
     tiny_model,
     vllm_stack,
@@ -39,12 +37,6 @@ from tests.support.vllm_stack import (
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PREFIX = [random.Random(11).randrange(256, 4000) for _ in range(10 * BLOCK + 5)]  # 10 whole blocks and a bit
-
-
-@pytest.fixture(scope="module")
-def references() -> dict:
-    prompts = seeded_prompts()
-    return {"prompts": prompts, "outputs": reference_outputs(tiny_model(), prompts)}
 
 
 @pytest.fixture(scope="module")

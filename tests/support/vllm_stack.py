@@ -35,14 +35,6 @@ ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-bytes", str
 MAX_TOKENS = 16
 
 
-def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def tiny_model() -> Path:
     return build_tiny_model(TINY_MODEL)
 
@@ -208,3 +200,15 @@ def settled_stats(bus: BusWatch, role: str, more_than: int = -1):
             return newer
         stats = newer
     raise AssertionError(f"{role} counters did not settle: {stats}")
+
+
+def references_fixture():
+    """The reference outputs, computed once per test session (one engine boot)."""
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def references() -> dict:
+        prompts = seeded_prompts()
+        return {"prompts": prompts, "outputs": reference_outputs(tiny_model(), prompts)}
+
+    return references

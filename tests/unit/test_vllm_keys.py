@@ -108,3 +108,18 @@ async def test_waiting_for_the_store_returns_when_the_blocks_are_written() -> No
     writer = asyncio.create_task(write_later())
     assert await bridge.wait_stored("cluster", keys, 5)
     await writer
+
+
+def test_a_nixl_handle_tells_the_decode_engine_where_to_pull_from() -> None:
+    from schemas import MooncakeStoreKvHandle, NixlKvHandle, codec
+    from workers.vllm_engine import decode_transfer_args
+
+    params = {"remote_block_ids": [3, 4], "remote_engine_id": "e-1", "remote_host": "10.0.0.7", "remote_port": 5600}
+    handle = NixlKvHandle(worker_id="p", num_tokens=70, block_size=32, params=__import__("json").dumps(params))
+    wire = codec.WORKER_EVENT  # the handle survives the bus inside PrefillDone
+    from schemas import PrefillDone, PromptUsage
+
+    done = wire.decode(wire.encode(PrefillDone(worker_id="p", request_id="r", handle=handle, first_token=1,
+                                               usage=PromptUsage(prompt_tokens=70, cached_tokens=0), finished=False)))
+    assert decode_transfer_args(done.handle) == {"kv_transfer_params": params | {"do_remote_prefill": True}}
+    assert decode_transfer_args(MooncakeStoreKvHandle(worker_id="p", num_tokens=70, block_size=32)) is None
