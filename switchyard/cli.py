@@ -299,7 +299,7 @@ def _startup_errors() -> tuple[type[Exception], ...]:
 _STARTUP_ERRORS = _startup_errors()
 
 
-def _resolve_defaults(args: argparse.Namespace) -> None:
+def resolve_defaults(args: argparse.Namespace) -> None:
     """Defaults that depend on the engine: vLLM's CPU backend takes blocks of 32 and up."""
     vllm = getattr(args, "engine", "sim") == "vllm" or getattr(args, "key_scheme", "") == "vllm-sha256-cbor"
     if getattr(args, "block_size", 0) is None:
@@ -312,7 +312,7 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    _resolve_defaults(args)
+    resolve_defaults(args)
     logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
                         format=f"%(asctime)s {args.command:<9} %(levelname)-7s %(name)s: %(message)s")
     from observability import tracing

@@ -35,6 +35,9 @@ class _Stop(Exception):
 
 
 def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, list[str]]]:
+    from switchyard.cli import resolve_defaults
+
+    resolve_defaults(args)  # engine-dependent defaults, for callers that parsed args themselves
     common = ["--nats", nats_url, "--log-level", args.log_level, "--trace-exporter", args.trace_exporter]
     worker = [*common, "--engine", args.engine, "--model", str(args.model), "--block-size", str(args.block_size),
               "--token-budget", str(args.token_budget), "--report-interval-s", str(args.report_interval_s),
