@@ -1,6 +1,28 @@
 """End-to-end fixtures shared across modules: the vLLM reference outputs (one engine boot
-per session, however many vllm modules use them)."""
+per session, however many vllm modules use them), and, for a module that defines its own
+``stack`` (a running ``switchyard up --engine vllm``), a bus watcher, a client and the
+tokenizer."""
 
-from tests.support.vllm_stack import references_fixture
+import openai
+import pytest
+
+from ingress.tokenizer import ModelTokenizer
+from tests.support.vllm_stack import BusWatch, UpStack, references_fixture, tiny_model
 
 references = references_fixture()
+
+
+@pytest.fixture(scope="module")
+def bus(stack: UpStack) -> BusWatch:
+    with BusWatch(stack.nats_url) as watch:
+        yield watch
+
+
+@pytest.fixture(scope="module")
+def client(stack: UpStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer.load(tiny_model())

@@ -18,18 +18,16 @@ from __future__ import annotations
 import random
 
 import httpx
-import openai
 import pytest
 
-from ingress.tokenizer import ModelTokenizer
 from tests.support.stack import wait_until
 from tests.support.vllm_stack import (
     BLOCK,
     MAX_TOKENS,
     BusWatch,
     UpStack,
+    assert_greedy_matches_reference,
     settled_stats,
-    tiny_model,
     vllm_stack,
 )
 
@@ -45,36 +43,8 @@ def stack(module_nats, tmp_path_factory) -> UpStack:
         yield s
 
 
-@pytest.fixture(scope="module")
-def bus(stack) -> BusWatch:
-    with BusWatch(stack.nats_url) as watch:
-        yield watch
-
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> ModelTokenizer:
-    return ModelTokenizer.load(tiny_model())
-
-
 def test_greedy_output_through_prefill_and_decode_is_one_engines_output(references, client, bus, tokenizer):
-    for prompt, expected in zip(references["prompts"], references["outputs"], strict=True):
-        response = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS,
-                                             temperature=0)
-        choice = response.choices[0]
-        assert choice.text == tokenizer.decode(expected["tokens"]), f"prompt of {len(prompt)} tokens"
-        assert choice.finish_reason == expected["finish_reason"]
-        if len(expected["tokens"]) < 2:
-            continue  # ended at token 0: nothing was handed to decode
-        # The decode engine loaded what it was handed: every whole block of the prompt.
-        assert wait_until(lambda: response.id in bus.finished(), 5), "no RequestFinished"
-        finished = bus.finished()[response.id]
-        assert finished.kv_expected_tokens == len(prompt) // BLOCK * BLOCK  # of prompt + token 0
-        assert finished.kv_loaded_tokens == finished.kv_expected_tokens, "the decode engine recomputed"
+    assert_greedy_matches_reference(client, bus, tokenizer, references)
 
 
 def test_shared_prefix_is_reported_cached_and_not_recomputed(client, bus, tokenizer):

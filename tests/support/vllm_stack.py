@@ -212,3 +212,22 @@ def references_fixture():
         return {"prompts": prompts, "outputs": reference_outputs(tiny_model(), prompts)}
 
     return references
+
+
+def assert_greedy_matches_reference(client, bus: BusWatch, tokenizer, references: dict) -> None:
+    """Every reference prompt through the stack: the same greedy text and finish as one
+    engine alone, and the decode engine loaded every whole block it was handed."""
+    from tests.support.stack import wait_until
+
+    for prompt, expected in zip(references["prompts"], references["outputs"], strict=True):
+        response = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS,
+                                             temperature=0)
+        choice = response.choices[0]
+        assert choice.text == tokenizer.decode(expected["tokens"]), f"prompt of {len(prompt)} tokens"
+        assert choice.finish_reason == expected["finish_reason"]
+        if len(expected["tokens"]) < 2:
+            continue  # ended at token 0: nothing was handed to decode
+        assert wait_until(lambda: response.id in bus.finished(), 5), "no RequestFinished"
+        finished = bus.finished()[response.id]
+        assert finished.kv_expected_tokens == len(prompt) // BLOCK * BLOCK  # of prompt + token 0
+        assert finished.kv_loaded_tokens == finished.kv_expected_tokens, "the decode engine recomputed"
