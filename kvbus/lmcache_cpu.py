@@ -230,9 +230,10 @@ class LMCacheCPUConnectorV1(LMCacheConnectorV1):
         super().__init__(vllm_config, role, kv_cache_config)
 
     def wait_for_save(self) -> None:
+        remotes = self._remote_backends()  # tracked before this step's puts are submitted
         super().wait_for_save()
         deadline = time.monotonic() + self.REMOTE_SAVE_TIMEOUT_S
-        for backend in self._remote_backends():
+        for backend in remotes:
             while (backend.put_tasks or getattr(backend, "_switchyard_batches", 0)) and time.monotonic() < deadline:
                 time.sleep(0.0005)
 
