@@ -30,7 +30,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +68,10 @@ class EngineCounters:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     def wire(self) -> dict[str, int]:
         """The fields ``schemas.EngineStats`` carries."""
-        return {k: v for k, v in self.__dict__.items() if isinstance(v, int)}
+        return dict(self.__dict__)
 
 
 def _stat_logger_factory(counters: EngineCounters):
@@ -95,10 +94,6 @@ def _stat_logger_factory(counters: EngineCounters):
                 counters.spec_drafts += spec.num_drafts
                 counters.spec_draft_tokens += spec.num_draft_tokens
                 counters.spec_accepted_tokens += spec.num_accepted_tokens
-                per_pos = counters.spec_accepted_per_pos
-                per_pos.extend([0] * (len(spec.num_accepted_tokens_per_pos) - len(per_pos)))
-                for i, n in enumerate(spec.num_accepted_tokens_per_pos):
-                    per_pos[i] += n
 
         def log_engine_initialized(self) -> None:
             pass
@@ -220,7 +215,6 @@ class VllmEngine:
     def __init__(self, config: VllmEngineConfig, model: str, role: str, worker_id: str) -> None:
         self.config = config
         self.model = model  # the model directory (or name) vLLM loads
-        self.served_model = model
         self.role = role
         self.worker_id = worker_id
         self.counters = EngineCounters()
@@ -412,8 +406,6 @@ class VllmEngine:
                 if output.finished and not tokens:  # finished with nothing new: close the stream
                     self._emit(StepOutput(request_id=rid, token=None, position=position, finished=reason or "stop",
                                           kv_expected_tokens=expected, kv_loaded_tokens=min(loaded, expected)))
-        except asyncio.CancelledError:
-            raise
         except Exception:
             log.exception("%s: decode failed", rid)
             self._emit(StepOutput(request_id=rid, token=None, position=position, finished="abort"))
