@@ -176,19 +176,24 @@ class MooncakeStore:
     segment: subprocess.Popen
 
 
+def mooncake_commands(ports: MooncakePorts, segment_bytes: int) -> list[tuple[str, list[str], tuple[int, ...]]]:
+    """The store's processes in start order, each with the ports that say it is ready: the
+    master (RPC and metadata server), then the segment, which registers through both."""
+    return [("mooncake-master", mooncake_master_command(ports), (ports.rpc, ports.metadata)),
+            ("mooncake-segment", mooncake_segment_command(ports, segment_bytes), (ports.segment,))]
+
+
 @contextmanager
 def mooncake_store(segment_bytes: int = 512 << 20, host: str = "127.0.0.1",
                    stdout=subprocess.DEVNULL) -> Iterator[MooncakeStore]:
     """A private Mooncake Store on loopback: master, then a segment; stopped on exit."""
     ports = MooncakePorts.pick(host)
-    master = spawn(mooncake_master_command(ports), stdout=stdout)
-    procs = [master]
+    started: list[subprocess.Popen] = []
     try:
-        wait_for_port(host, ports.rpc, 20.0, master)
-        wait_for_port(host, ports.metadata, 20.0, master)
-        segment = spawn(mooncake_segment_command(ports, segment_bytes), stdout=stdout)
-        procs.insert(0, segment)
-        wait_for_port(host, ports.segment, 20.0, segment)
-        yield MooncakeStore(ports=ports, master=master, segment=segment)
+        for _name, command, ready in mooncake_commands(ports, segment_bytes):
+            started.insert(0, spawn(command, stdout=stdout))  # stopped segment first
+            for port in ready:
+                wait_for_port(host, port, 20.0, started[0])
+        yield MooncakeStore(ports=ports, master=started[1], segment=started[0])
     finally:
-        stop(procs)
+        stop(started)

@@ -99,13 +99,11 @@ def _start_mooncake(args: argparse.Namespace, stack: ExitStack, children: list["
     """The Mooncake Store the vllm engine's KV goes through: a master and a segment process,
     supervised like every other child, started (and ready) before the workers."""
     ports = procs.MooncakePorts.pick()
-    for name, command, port in (
-        ("mooncake-master", procs.mooncake_master_command(ports), ports.rpc),
-        ("mooncake-segment", procs.mooncake_segment_command(ports, args.mooncake_segment_bytes), ports.segment),
-    ):
+    for name, command, ready in procs.mooncake_commands(ports, args.mooncake_segment_bytes):
         child = _Child(name, command, procs.spawn(command, env=procs.child_env()))
         children.append(child)
-        procs.wait_for_port(ports.host, port, 30.0, child.process)
+        for port in ready:
+            procs.wait_for_port(ports.host, port, 30.0, child.process)
     args.mooncake_master, args.mooncake_metadata_server = ports.master_address, ports.metadata_server
     if args.kv_transfer == "lmcache" and not args.lmcache_disk_dir:
         import tempfile

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbus.keys import cache_salt_for, key_of_digest
+from kvbus.keys import cache_salt_for, key_of_digest, vllm_block_hashes
 from schemas import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -117,7 +117,6 @@ class VllmKvEvents:
         self.changed = asyncio.Event()
         self._stored = asyncio.Event()  # set on every batch: wakes ``wait_stored``
         self.last_seq = -1
-        self.gaps = 0
 
     def cached_blocks(self) -> dict[Tier, list[int]]:
         return {tier: list(keys) for tier, keys in self._held.items() if keys}
@@ -185,7 +184,6 @@ class VllmKvEvents:
                 _topic, seq_bytes, payload = await sock.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big")
                 if self.last_seq >= 0 and seq != self.last_seq + 1:
-                    self.gaps += 1
                     log.warning("vLLM KV events %d..%d lost", self.last_seq + 1, seq - 1)
                 self.last_seq = seq
                 self.apply(decoder.decode(payload))
@@ -219,9 +217,7 @@ class VllmEngine:
         self.worker_id = worker_id
         self.counters = EngineCounters()
         self.boot_s = 0.0
-        self.kv_fallbacks = 0
         self._engine: Any = None
-        self._work_dir: Path | None = None
         self._kv_events: VllmKvEvents | None = None
         self._bridge: asyncio.Task | None = None
         self._decoding: dict[str, _Decoding] = {}
@@ -239,7 +235,6 @@ class VllmEngine:
         started = time.monotonic()
         work_dir = Path(self.config.work_dir or tempfile.mkdtemp(prefix=f"switchyard-{self.worker_id}-"))
         work_dir.mkdir(parents=True, exist_ok=True)
-        self._work_dir = work_dir
         for name, value in self.config.environment(work_dir).items():
             if value is None:
                 os.environ.pop(name, None)
@@ -264,10 +259,6 @@ class VllmEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
-
-    @property
-    def kv_events(self) -> VllmKvEvents | None:
-        return self._kv_events
 
     # --- KvCacheView (the prefix cache the scheduler hears of) ------------------------
 
@@ -314,8 +305,6 @@ class VllmEngine:
         could not load."""
         if self.config.kv_transfer != "mooncake-store" or self._kv_events is None:
             return
-        from kvbus.keys import key_of_digest, vllm_block_hashes
-
         block = self.config.block_size
         waiting: list[int] = []
         for task, result in zip(tasks, results):
@@ -390,7 +379,6 @@ class VllmEngine:
                 if loaded is None:
                     loaded = output.num_cached_tokens or 0
                     if loaded < expected:
-                        self.kv_fallbacks += 1
                         log.warning("%s: KV handed over for %d prompt tokens, engine loaded %d: recomputed",
                                     rid, expected, loaded)
                 completion = output.outputs[0]

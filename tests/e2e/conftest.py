@@ -7,9 +7,13 @@ import openai
 import pytest
 
 from ingress.tokenizer import ModelTokenizer
-from tests.support.vllm_stack import BusWatch, UpStack, references_fixture, tiny_model
+from tests.support.vllm_stack import BusWatch, UpStack, reference_outputs, seeded_prompts, tiny_model
 
-references = references_fixture()
+
+@pytest.fixture(scope="session")
+def references() -> dict:
+    prompts = seeded_prompts()
+    return {"prompts": prompts, "outputs": reference_outputs(tiny_model(), prompts)}
 
 
 @pytest.fixture(scope="module")

@@ -202,18 +202,6 @@ def settled_stats(bus: BusWatch, role: str, more_than: int = -1):
     raise AssertionError(f"{role} counters did not settle: {stats}")
 
 
-def references_fixture():
-    """The reference outputs, computed once per test session (one engine boot)."""
-    import pytest
-
-    @pytest.fixture(scope="session")
-    def references() -> dict:
-        prompts = seeded_prompts()
-        return {"prompts": prompts, "outputs": reference_outputs(tiny_model(), prompts)}
-
-    return references
-
-
 def assert_greedy_matches_reference(client, bus: BusWatch, tokenizer, references: dict) -> None:
     """Every reference prompt through the stack: the same greedy text and finish as one
     engine alone, and the decode engine loaded every whole block it was handed."""
