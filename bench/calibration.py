@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.costmodel import CostModel
-from bench.fleet import EventLoop, SimWorker
-from schemas import KvEventBatch, PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams, WorkerEvent
+from switchyard.bench.costmodel import CostModel
+from switchyard.bench.fleet import EventLoop, SimWorker
+from switchyard.schemas import KvEventBatch, PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams, WorkerEvent
 
 
 @dataclass(frozen=True)

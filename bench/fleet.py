@@ -32,8 +32,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.costmodel import CostModel
-from schemas import (
+from switchyard.bench.costmodel import CostModel
+from switchyard.schemas import (
     BlocksRemoved,
     BlocksStored,
     DecodeTask,

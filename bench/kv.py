@@ -36,7 +36,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench import plots
+from switchyard.bench import plots
 from switchyard import procs
 
 
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_config(path: str, ports: procs.MooncakePorts, work: Path, role: str, max_len: int):
-    from workers.vllm_config import LmcacheSettings, MooncakeSettings, VllmEngineConfig
+    from switchyard.workers.vllm_config import LmcacheSettings, MooncakeSettings, VllmEngineConfig
 
     return VllmEngineConfig(
         kv_transfer=path, dtype="float32", enforce_eager=True, kv_cache_bytes=96 << 20,
@@ -87,7 +87,7 @@ def _engine_config(path: str, ports: procs.MooncakePorts, work: Path, role: str,
 
 
 async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: int, work: Path) -> list[dict]:
-    from workers.vllm_engine import VllmEngine
+    from switchyard.workers.vllm_engine import VllmEngine
 
     max_len = max(lengths) + 64
     producer = VllmEngine(_engine_config(path, ports, work, "prefill", max_len), str(model), "prefill", "bench-p")
@@ -123,7 +123,7 @@ async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: 
 
 
 def _task(prompt: list[int], tenant: str):
-    from schemas import PrefillTask, RequestSpec, SamplingParams
+    from switchyard.schemas import PrefillTask, RequestSpec, SamplingParams
 
     spec = RequestSpec(request_id=f"bench-{time.time_ns()}", ingress_id="bench", model="bench",
                        prompt_tokens=prompt, block_size=32, block_keys=[],

@@ -32,13 +32,13 @@ from pathlib import Path
 import anyio
 import httpx
 
-from bench import plots
-from bench import stack as bench_stack
-from bench.costmodel import CostModel
-from bench.fleet import FleetShape
-from bench.replay import ReplaySettings, replay
-from bench.sim import parse_policies, percentile, summarize
-from bench.traces import TRACE_BLOCK_SIZE, TraceRequest, hit_ratio_bound, read_trace
+from switchyard.bench import plots
+from switchyard.bench import stack as bench_stack
+from switchyard.bench.costmodel import CostModel
+from switchyard.bench.fleet import FleetShape
+from switchyard.bench.replay import ReplaySettings, replay
+from switchyard.bench.sim import parse_policies, percentile, summarize
+from switchyard.bench.traces import TRACE_BLOCK_SIZE, TraceRequest, hit_ratio_bound, read_trace
 from switchyard import procs
 
 MODEL = "switchyard-sim"

@@ -27,8 +27,8 @@ import httpx
 import nats
 import psutil
 
-from bench import plots
-from bench import stack as bench_stack
+from switchyard.bench import plots
+from switchyard.bench import stack as bench_stack
 from switchyard import procs
 
 MODEL = "switchyard-sim"
@@ -89,7 +89,7 @@ def _start_direct_engine(stack: ExitStack) -> _Direct:
     import sys
 
     port = procs.free_port()
-    proc = procs.spawn([sys.executable, "-m", "bench.direct_engine", "--port", str(port)], env=procs.child_env())
+    proc = procs.spawn([sys.executable, "-m", "switchyard.bench.direct_engine", "--port", str(port)], env=procs.child_env())
     stack.callback(procs.stop, [proc])
     return _Direct(port)
 
@@ -226,7 +226,7 @@ async def _stream_tokens(client: httpx.AsyncClient, max_tokens: int) -> int:
 
 async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -> float:
     """Tokens/s that bare nats-py moves publisher -> subscriber in one process."""
-    from schemas import StreamBatch, StreamChunk, codec
+    from switchyard.schemas import StreamBatch, StreamChunk, codec
 
     chunks = [StreamChunk(request_id=f"r{i}", seq=i, token_ids=[1000 + i]) for i in range(tokens_per_message)]
     payload = codec.STREAM_BATCH.encode(StreamBatch(sender="bench", chunks=chunks))

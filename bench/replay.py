@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.costmodel import CostModel
-from bench.fleet import TICK, EventLoop, FleetShape, SimWorker
-from bench.traces import TRACE_BLOCK_SIZE, TraceRequest, block_keys, tenant_salt
-from scheduler.config import SchedulerConfig
-from scheduler.core import Dispatch, FailStream, RequestSnapshot, SchedulerCore
-from schemas import (
+from switchyard.bench.costmodel import CostModel
+from switchyard.bench.fleet import TICK, EventLoop, FleetShape, SimWorker
+from switchyard.bench.traces import TRACE_BLOCK_SIZE, TraceRequest, block_keys, tenant_salt
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.core import Dispatch, FailStream, RequestSnapshot, SchedulerCore
+from switchyard.schemas import (
     KvEventBatch,
     LoadReport,
     PrefillDone,

@@ -27,12 +27,12 @@ import math
 import time
 from pathlib import Path
 
-from bench import plots
-from bench.costmodel import CostModel
-from bench.fleet import FleetShape
-from bench.replay import ReplayResult, ReplaySettings, replay
-from bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio, read_trace
-from scheduler.config import SchedulerConfig
+from switchyard.bench import plots
+from switchyard.bench.costmodel import CostModel
+from switchyard.bench.fleet import FleetShape
+from switchyard.bench.replay import ReplayResult, ReplaySettings, replay
+from switchyard.bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio, read_trace
+from switchyard.scheduler.config import SchedulerConfig
 
 DEFAULT_POLICIES = "round_robin,least_requests,least_tokens,prefix,switchyard"
 
@@ -117,7 +117,7 @@ def parse_policies(text: str) -> list[str]:
         raise ValueError("--policies is empty")
     if "policy" not in SchedulerConfig.__struct_fields__:
         raise ValueError("this scheduler core has no policy setting (SchedulerConfig.policy)")
-    from scheduler.policies import POLICIES
+    from switchyard.scheduler.policies import POLICIES
 
     unknown = [name for name in names if name not in POLICIES]
     if unknown:

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ingress.config import IngressConfig
-from ingress.errors import (
+from switchyard.ingress.config import IngressConfig
+from switchyard.ingress.errors import (
     ApiError,
     ContextLengthExceeded,
     InvalidRequest,
@@ -35,8 +35,8 @@ from ingress.errors import (
     RequestTooLarge,
     Unavailable,
 )
-from ingress.generation import Generation, GenerationContext, Kind
-from ingress.openai_types import (
+from switchyard.ingress.generation import Generation, GenerationContext, Kind
+from switchyard.ingress.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
@@ -44,14 +44,14 @@ from ingress.openai_types import (
     decode_body,
     stop_strings,
 )
-from ingress.streams import StreamRouter
-from ingress.text import TextAssembler
-from ingress.tokenizer import ModelTokenizer, TokenizerError
-from kvbus import KeyScheme
-from observability import tracing
-from observability.bus import BusStats
-from observability.metrics import CONTENT_TYPE, ServingMetrics
-from schemas import (
+from switchyard.ingress.streams import StreamRouter
+from switchyard.ingress.text import TextAssembler
+from switchyard.ingress.tokenizer import ModelTokenizer, TokenizerError
+from switchyard.kvbus import KeyScheme
+from switchyard.observability import tracing
+from switchyard.observability.bus import BusStats
+from switchyard.observability.metrics import CONTENT_TYPE, ServingMetrics
+from switchyard.schemas import (
     Admitted,
     ClusterStatus,
     Rejected,

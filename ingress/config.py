@@ -27,7 +27,7 @@ class IngressConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_body_bytes <= 0 or self.default_max_tokens <= 0:
             raise ValueError("block_size, max_body_bytes and default_max_tokens must be positive")
-        from kvbus.keys import KeyScheme
+        from switchyard.kvbus.keys import KeyScheme
 
         KeyScheme(self.key_scheme, self.hash_seed)  # raises on an unknown scheme
         if not 0 <= self.port <= 65535:

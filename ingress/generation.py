@@ -18,11 +18,11 @@ import anyio
 import msgspec
 from opentelemetry.trace import Span, Status, StatusCode
 
-from ingress.errors import ApiError, generation_error
-from ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
-from ingress.text import TextAssembler
-from observability.metrics import ServingMetrics
-from schemas import Cancel, RequestSpec, codec, subjects
+from switchyard.ingress.errors import ApiError, generation_error
+from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
+from switchyard.ingress.text import TextAssembler
+from switchyard.observability.metrics import ServingMetrics
+from switchyard.schemas import Cancel, RequestSpec, codec, subjects
 
 log = logging.getLogger(__name__)
 

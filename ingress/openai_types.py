@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ingress.errors import InvalidRequest
+from switchyard.ingress.errors import InvalidRequest
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,13 +13,13 @@ import msgspec
 import uvicorn
 from anyio.abc import TaskStatus
 
-from ingress.app import Ingress
-from ingress.config import IngressConfig
-from ingress.streams import StreamRouter
-from ingress.tokenizer import ModelTokenizer
-from observability.bus import BusStats, connect, subscribe
-from observability.metrics import ServingMetrics
-from schemas import subjects
+from switchyard.ingress.app import Ingress
+from switchyard.ingress.config import IngressConfig
+from switchyard.ingress.streams import StreamRouter
+from switchyard.ingress.tokenizer import ModelTokenizer
+from switchyard.observability.bus import BusStats, connect, subscribe
+from switchyard.observability.metrics import ServingMetrics
+from switchyard.schemas import subjects
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from collections import deque
 
 import anyio
 
-from observability.bus import decoded
-from schemas import PromptUsage, StreamChunk, StreamError, codec
+from switchyard.observability.bus import decoded
+from switchyard.schemas import PromptUsage, StreamChunk, StreamError, codec
 
 log = logging.getLogger(__name__)
 

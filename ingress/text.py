@@ -7,7 +7,7 @@ just before it, and the request is finished with ``finish_reason="stop"``.
 
 from __future__ import annotations
 
-from ingress.tokenizer import IncrementalDecoder
+from switchyard.ingress.tokenizer import IncrementalDecoder
 
 
 class TextAssembler:

@@ -1,7 +1,10 @@
 """Content-addressed KV blocks: keys (Switchyard's own, or a vLLM engine's), and the
 KV-transfer settings of the vLLM engine (Mooncake Store, LMCache)."""
 
-from kvbus.keys import (
+if __name__ != "switchyard.kvbus":  # one module, one name: the wheel installs only `switchyard`
+    raise ImportError(f"import switchyard.kvbus, not {__name__}")
+
+from switchyard.kvbus.keys import (
     VLLM_DEFAULT_HASH_SEED,
     BlockKey,
     KeyScheme,

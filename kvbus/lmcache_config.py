@@ -28,7 +28,7 @@ from typing import Any, Literal
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 CONNECTOR_CLASS = "LMCacheCPUConnectorV1"
-CONNECTOR_MODULE = "kvbus.lmcache_cpu"
+CONNECTOR_MODULE = "switchyard.kvbus.lmcache_cpu"
 
 
 def _yaml_scalar(v: Any) -> str:

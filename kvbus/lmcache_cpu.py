@@ -22,7 +22,7 @@ Use it through vLLM's external-connector hook (works in the spawned engine-core 
 worker processes because vLLM imports this module there by name)::
 
     kv_transfer_config = {"kv_connector": "LMCacheCPUConnectorV1",
-                          "kv_connector_module_path": "kvbus.lmcache_cpu",
+                          "kv_connector_module_path": "switchyard.kvbus.lmcache_cpu",
                           "kv_role": "kv_both"}
 """
 
@@ -213,7 +213,7 @@ class LMCacheCPUConnectorV1(LMCacheConnectorV1):
     """vLLM's ``LMCacheConnectorV1`` with the CPU KV adapter registered first, and saves
     that reach the remote tier before the step ends.
 
-    Name it in ``kv_transfer_config`` with ``kv_connector_module_path="kvbus.lmcache_cpu"``.
+    Name it in ``kv_transfer_config`` with ``kv_connector_module_path="switchyard.kvbus.lmcache_cpu"``.
 
     LMCache writes to its remote tier (the Mooncake Store) in background tasks, so a
     prefill's request output can come back while its last chunks are still on the way: a

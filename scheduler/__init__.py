@@ -1,8 +1,11 @@
 """Admission and placement. The core is pure; ``scheduler.service`` connects it to NATS."""
 
-from scheduler.config import SchedulerConfig
-from scheduler.core import Action, BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerCore
-from scheduler.policies import POLICIES
+if __name__ != "switchyard.scheduler":  # one module, one name: the wheel installs only `switchyard`
+    raise ImportError(f"import switchyard.scheduler, not {__name__}")
+
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.core import Action, BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerCore
+from switchyard.scheduler.policies import POLICIES
 
 __all__ = ["Action", "BindSession", "Dispatch", "FailStream", "POLICIES", "RequestSnapshot", "SchedulerConfig",
            "SchedulerCore"]

@@ -45,7 +45,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("fetch_credit must be within [0, 1]")
         if self.session_max_load <= 0 or self.local_prefill_max_tokens < 0:
             raise ValueError("session_max_load must be positive, local_prefill_max_tokens not negative")
-        from scheduler.policies import POLICIES  # here, not at import: policies imports state only
+        from switchyard.scheduler.policies import POLICIES  # here, not at import: policies imports state only
 
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(sorted(POLICIES))}")

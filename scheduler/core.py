@@ -20,13 +20,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from scheduler.config import SchedulerConfig
-from scheduler.index import PrefixIndex
-from scheduler.placement import Placement, Placer
-from scheduler.queue import FairQueue
-from scheduler.sessions import Binding, SessionTable
-from scheduler.state import Tracked, WorkerState
-from schemas import (
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.index import PrefixIndex
+from switchyard.scheduler.placement import Placement, Placer
+from switchyard.scheduler.queue import FairQueue
+from switchyard.scheduler.sessions import Binding, SessionTable
+from switchyard.scheduler.state import Tracked, WorkerState
+from switchyard.schemas import (
     Admitted,
     ClusterStatus,
     DecodeTask,

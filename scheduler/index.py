@@ -49,7 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 
-from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot
+from switchyard.schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot
 
 DEVICE, HOST, DISK, CLUSTER = 1, 2, 4, 8
 OWN = DEVICE | HOST | DISK  # tiers private to one worker

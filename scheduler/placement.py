@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from scheduler.config import SchedulerConfig
-from scheduler.index import PrefixIndex
-from scheduler.policies import PlacementView, decode_cost, make_policy
-from scheduler.state import Tracked, WorkerState
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.index import PrefixIndex
+from switchyard.scheduler.policies import PlacementView, decode_cost, make_policy
+from switchyard.scheduler.state import Tracked, WorkerState
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from scheduler.index import WorkerMatch
-from scheduler.state import Tracked, WorkerState
+from switchyard.scheduler.index import WorkerMatch
+from switchyard.scheduler.state import Tracked, WorkerState
 
 log = logging.getLogger(__name__)
 

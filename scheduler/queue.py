@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 
-from scheduler.state import Tracked
+from switchyard.scheduler.state import Tracked
 
 _Key = tuple[int, int, float, int, str]
 

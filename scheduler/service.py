@@ -33,10 +33,10 @@ import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.client import Client
 
-from observability import tracing
-from observability.bus import BusStats, connect, decoded, subscribe
-from scheduler.config import SchedulerConfig
-from scheduler.core import (
+from switchyard.observability import tracing
+from switchyard.observability.bus import BusStats, connect, decoded, subscribe
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.core import (
     Action,
     BindSession,
     Dispatch,
@@ -45,9 +45,9 @@ from scheduler.core import (
     RequestSnapshot,
     SchedulerCore,
 )
-from scheduler.session_store import SessionStore
-from scheduler.sessions import Binding
-from schemas import (
+from switchyard.scheduler.session_store import SessionStore
+from switchyard.scheduler.sessions import Binding
+from switchyard.schemas import (
     KvSnapshot,
     KvSnapshotRequest,
     RollCall,

@@ -19,7 +19,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
-from scheduler.sessions import Binding
+from switchyard.scheduler.sessions import Binding
 
 log = logging.getLogger(__name__)
 

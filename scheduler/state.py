@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from schemas import LoadReport, PrefillDone, RequestSpec, Role
+from switchyard.schemas import LoadReport, PrefillDone, RequestSpec, Role
 
 Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]  # "prefill" covers a local task too
 

@@ -1,9 +1,12 @@
 """Wire types and subject names. Imports nothing of ours: every other package may import it."""
 
-from schemas import subjects
-from schemas import codec
-from schemas.codec import Codec
-from schemas.messages import *  # noqa: F403  (the message catalogue is the public API)
-from schemas.messages import __all__ as _messages_all
+if __name__ != "switchyard.schemas":  # one module, one name: the wheel installs only `switchyard`
+    raise ImportError(f"import switchyard.schemas, not {__name__}")
+
+from switchyard.schemas import subjects
+from switchyard.schemas import codec
+from switchyard.schemas.codec import Codec
+from switchyard.schemas.messages import *  # noqa: F403  (the message catalogue is the public API)
+from switchyard.schemas.messages import __all__ as _messages_all
 
 __all__ = ["subjects", "codec", "Codec", *_messages_all]

@@ -6,7 +6,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from schemas import messages as m
+from switchyard.schemas import messages as m
 
 T = TypeVar("T")
 

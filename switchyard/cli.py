@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from bench import kv, live, overhead, sim
+    from switchyard.bench import kv, live, overhead, sim
 
     for name, module, help_ in (
         ("overhead", overhead, "what the fabric adds: TTFT, stream throughput, memory"),
@@ -180,7 +180,7 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
 
 
 def ingress_config(args: argparse.Namespace, nats_url: str):
-    from ingress.config import IngressConfig
+    from switchyard.ingress.config import IngressConfig
 
     return IngressConfig(nats_url=nats_url, model_dir=str(args.model), served_model_name=args.served_model_name,
                          host=args.host, port=args.port, block_size=args.block_size,
@@ -190,8 +190,8 @@ def ingress_config(args: argparse.Namespace, nats_url: str):
 
 
 def scheduler_config(args: argparse.Namespace, nats_url: str):
-    from scheduler.config import SchedulerConfig
-    from scheduler.service import SchedulerServiceConfig
+    from switchyard.scheduler.config import SchedulerConfig
+    from switchyard.scheduler.service import SchedulerServiceConfig
 
     core = SchedulerConfig(max_queued_tokens=args.max_queued_tokens, worker_expiry_s=args.worker_expiry_s,
                            policy=args.policy, local_prefill_max_tokens=args.local_prefill_max_tokens,
@@ -200,9 +200,9 @@ def scheduler_config(args: argparse.Namespace, nats_url: str):
 
 
 def worker_config(args: argparse.Namespace, nats_url: str):
-    from ingress.tokenizer import ModelTokenizer
-    from workers.config import WorkerConfig
-    from workers.sim import SimCostModel, SimEngineConfig
+    from switchyard.ingress.tokenizer import ModelTokenizer
+    from switchyard.workers.config import WorkerConfig
+    from switchyard.workers.sim import SimCostModel, SimEngineConfig
 
     tokenizer = ModelTokenizer.load(args.model)
     ordinary = tokenizer.sample_token_ids()
@@ -222,7 +222,7 @@ def worker_config(args: argparse.Namespace, nats_url: str):
 
 
 def vllm_config(args: argparse.Namespace):
-    from workers.vllm_config import (
+    from switchyard.workers.vllm_config import (
         LmcacheSettings,
         MooncakeSettings,
         ParallelSettings,
@@ -289,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _startup_errors() -> tuple[type[Exception], ...]:
-    from ingress.service import ServiceError
-    from ingress.tokenizer import TokenizerError
-    from observability.tracing import TracingError
+    from switchyard.ingress.service import ServiceError
+    from switchyard.ingress.tokenizer import TokenizerError
+    from switchyard.observability.tracing import TracingError
 
     return (ServiceError, TokenizerError, TracingError, ValueError)
 
@@ -315,7 +315,7 @@ def _main(args: argparse.Namespace) -> int:
     resolve_defaults(args)
     logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
                         format=f"%(asctime)s {args.command:<9} %(levelname)-7s %(name)s: %(message)s")
-    from observability import tracing
+    from switchyard.observability import tracing
 
     tracing.configure(f"switchyard-{args.command}", getattr(args, "trace_exporter", "none"))
     match args.command:
@@ -324,15 +324,15 @@ def _main(args: argparse.Namespace) -> int:
 
             return up(args, sys.argv[0])
         case "ingress":
-            from ingress.service import IngressService
+            from switchyard.ingress.service import IngressService
 
             run_service(IngressService(ingress_config(args, args.nats)).run)
         case "scheduler":
-            from scheduler.service import SchedulerService
+            from switchyard.scheduler.service import SchedulerService
 
             run_service(SchedulerService(scheduler_config(args, args.nats)).run)
         case "worker":
-            from workers import build_worker
+            from switchyard.workers import build_worker
 
             run_service(build_worker(worker_config(args, args.nats)).run)
         case "build-tiny-model":
@@ -342,5 +342,5 @@ def _main(args: argparse.Namespace) -> int:
         case "bench":
             from importlib import import_module
 
-            return import_module(f"bench.{args.bench}").run(args)
+            return import_module(f"switchyard.bench.{args.bench}").run(args)
     return 0

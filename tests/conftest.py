@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from observability import tracing
+from switchyard.observability import tracing
 from switchyard.procs import nats_server
 
 SPANS = InMemorySpanExporter()

@@ -7,9 +7,9 @@ from typing import Literal
 
 import msgspec
 
-from schemas import Role
-from workers.sim import SimEngineConfig
-from workers.vllm_config import VllmEngineConfig
+from switchyard.schemas import Role
+from switchyard.workers.sim import SimEngineConfig
+from switchyard.workers.vllm_config import VllmEngineConfig
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,8 +22,8 @@ import anyio
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from observability import tracing
-from schemas import (
+from switchyard.observability import tracing
+from switchyard.schemas import (
     DecodeTask,
     FinishReason,
     LocalTask,
@@ -33,10 +33,10 @@ from schemas import (
     StreamChunk,
     WorkerTask,
 )
-from workers.engine import DecodeEngine, StepOutput
-from workers.handoff import first_token
-from workers.kv_events import KvCacheView, NoKvCache
-from workers.runtime import WorkerBus
+from switchyard.workers.engine import DecodeEngine, StepOutput
+from switchyard.workers.handoff import first_token
+from switchyard.workers.kv_events import KvCacheView, NoKvCache
+from switchyard.workers.runtime import WorkerBus
 
 log = logging.getLogger(__name__)
 

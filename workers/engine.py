@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from schemas import DecodeTask, FinishReason, KvHandle, PrefillTask
+from switchyard.schemas import DecodeTask, FinishReason, KvHandle, PrefillTask
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from workers.config import WorkerConfig
-from workers.decode import DecodeRole
-from workers.prefill import PrefillRole
-from workers.runtime import WorkerRuntime
-from workers.sim import SimEngine
+from switchyard.workers.config import WorkerConfig
+from switchyard.workers.decode import DecodeRole
+from switchyard.workers.prefill import PrefillRole
+from switchyard.workers.runtime import WorkerRuntime
+from switchyard.workers.sim import SimEngine
 
 
 def build_worker(config: WorkerConfig) -> WorkerRuntime:
     config = config.with_id()
     if config.engine == "vllm":
-        from workers.vllm_engine import VllmEngine  # imports vLLM only when asked for
+        from switchyard.workers.vllm_engine import VllmEngine  # imports vLLM only when asked for
 
         engine = VllmEngine(config.vllm, config.model_path, config.role, config.worker_id)
     else:

@@ -4,8 +4,8 @@ the prefill worker and for a decode worker prefilling a ``LocalTask`` itself."""
 
 from __future__ import annotations
 
-from schemas import PrefillDone, PrefillTask, PromptUsage, StreamChunk
-from workers.engine import PrefillResult
+from switchyard.schemas import PrefillDone, PrefillTask, PromptUsage, StreamChunk
+from switchyard.workers.engine import PrefillResult
 
 
 def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tuple[StreamChunk, PrefillDone]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from schemas import KvEvent, KvEventBatch, KvSnapshot, Tier
+from switchyard.schemas import KvEvent, KvEventBatch, KvSnapshot, Tier
 
 
 @runtime_checkable

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import anyio
 from opentelemetry.trace import Span
 
-from observability import tracing
-from schemas import PrefillDone, PrefillFailed, PrefillTask, StreamChunk, WorkerTask
-from workers.engine import HandoffEngine, PrefillEngine, PrefillResult
-from workers.handoff import first_token
-from workers.kv_events import KvCacheView, NoKvCache
-from workers.runtime import WorkerBus
+from switchyard.observability import tracing
+from switchyard.schemas import PrefillDone, PrefillFailed, PrefillTask, StreamChunk, WorkerTask
+from switchyard.workers.engine import HandoffEngine, PrefillEngine, PrefillResult
+from switchyard.workers.handoff import first_token
+from switchyard.workers.kv_events import KvCacheView, NoKvCache
+from switchyard.workers.runtime import WorkerBus
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 from nats.errors import MaxPayloadError
 
-from observability.bus import BusStats, connect, decoded, subscribe
-from schemas import EngineStats, LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
-from schemas.messages import TaskAck, WorkerEvent
-from workers.config import WorkerConfig
-from workers.engine import EngineLifecycle
-from workers.kv_events import KvCacheView, KvReporter, NoKvCache, PushedKvCache
+from switchyard.observability.bus import BusStats, connect, decoded, subscribe
+from switchyard.schemas import EngineStats, LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
+from switchyard.schemas.messages import TaskAck, WorkerEvent
+from switchyard.workers.config import WorkerConfig
+from switchyard.workers.engine import EngineLifecycle
+from switchyard.workers.kv_events import KvCacheView, KvReporter, NoKvCache, PushedKvCache
 
 log = logging.getLogger(__name__)
 

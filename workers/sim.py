@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import anyio
 import msgspec
 
-from schemas import BlocksRemoved, BlocksStored, DecodeTask, KvEvent, PrefillTask, SimKvHandle, Tier
-from workers.engine import PrefillResult, StepOutput
+from switchyard.schemas import BlocksRemoved, BlocksStored, DecodeTask, KvEvent, PrefillTask, SimKvHandle, Tier
+from switchyard.workers.engine import PrefillResult, StepOutput
 
 _MASK = (1 << 64) - 1
 

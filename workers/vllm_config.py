@@ -12,7 +12,7 @@ KV transfer, by ``kv_transfer``:
   owns the store's memory (``standalone-store``); the engines contribute none.
 - ``lmcache``: vLLM's ``LMCacheConnectorV1`` with LMCache's local memory and disk tiers
   and the Mooncake Store as its remote tier (``kvbus.lmcache_config``). The connector is
-  ``kvbus.lmcache_cpu.LMCacheCPUConnectorV1``: LMCache's own, with the CPU KV adapter
+  ``switchyard.kvbus.lmcache_cpu.LMCacheCPUConnectorV1``: LMCache's own, with the CPU KV adapter
   LMCache lacks registered first (on a GPU host it changes nothing).
 - ``nixl``: vLLM's ``NixlConnector``: the decode engine pulls the blocks straight from
   the prefill engine's GPU memory; the handle carries the engine's transfer params.
@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvbus.keys import VLLM_DEFAULT_HASH_SEED
+from switchyard.kvbus.keys import VLLM_DEFAULT_HASH_SEED
 
 KvTransfer = Literal["mooncake-store", "lmcache", "nixl", "none"]
 SpecMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
@@ -169,7 +169,7 @@ class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             return {"kv_connector": "MooncakeStoreConnector", **common}
         if self.kv_transfer == "nixl":
             return {"kv_connector": "NixlConnector", **common}
-        from kvbus.lmcache_config import lmcache_transfer_config
+        from switchyard.kvbus.lmcache_config import lmcache_transfer_config
 
         return lmcache_transfer_config(self, role, work_dir)
 
@@ -207,7 +207,7 @@ class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             path.write_text(json.dumps(self.mooncake.store_config()))
             env["MOONCAKE_CONFIG_PATH"] = str(path)
         elif self.kv_transfer == "lmcache":
-            from kvbus.lmcache_config import lmcache_environment
+            from switchyard.kvbus.lmcache_config import lmcache_environment
 
             env |= lmcache_environment(work_dir)
         return env

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbus.keys import cache_salt_for, key_of_digest, vllm_block_hashes
-from schemas import (
+from switchyard.kvbus.keys import cache_salt_for, key_of_digest, vllm_block_hashes
+from switchyard.schemas import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
@@ -49,8 +49,8 @@ from schemas import (
     RequestSpec,
     Tier,
 )
-from workers.engine import PrefillResult, StepOutput
-from workers.vllm_config import VllmEngineConfig
+from switchyard.workers.engine import PrefillResult, StepOutput
+from switchyard.workers.vllm_config import VllmEngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from kvbus.keys import block_keys, salt_for
-from observability.bus import connect
-from scheduler.service import SchedulerService, SchedulerServiceConfig
-from schemas import BlocksStored, KvEventBatch, RequestSpec, SamplingParams, SubmitRequest, codec, subjects
+from switchyard.kvbus.keys import block_keys, salt_for
+from switchyard.observability.bus import connect
+from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
+from switchyard.schemas import BlocksStored, KvEventBatch, RequestSpec, SamplingParams, SubmitRequest, codec, subjects
 from tests.support.stack import MODEL, worker_config
-from workers import build_worker
-from workers.runtime import WorkerRuntime
+from switchyard.workers import build_worker
+from switchyard.workers.runtime import WorkerRuntime
 
 pytestmark = pytest.mark.anyio
 

@@ -8,12 +8,12 @@ import anyio
 import msgspec
 import pytest
 
-from observability.bus import BusStats, connect
-from scheduler.config import SchedulerConfig
-from scheduler.service import SchedulerService, SchedulerServiceConfig
-from schemas import LoadReport, RequestSpec, SamplingParams, SubmitRequest, codec, subjects
+from switchyard.observability.bus import BusStats, connect
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
+from switchyard.schemas import LoadReport, RequestSpec, SamplingParams, SubmitRequest, codec, subjects
 from tests.support.stack import worker_config
-from workers import build_worker
+from switchyard.workers import build_worker
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +26,7 @@ def _spec(rid: str, ingress: str = "ing-test", tokens: int = 40, max_tokens: int
 
 def _keyed(spec: RequestSpec, shift: int = 0) -> RequestSpec:
     """The spec with (shifted) prompt tokens and their real chained block keys."""
-    from kvbus import block_keys, salt_for
+    from switchyard.kvbus import block_keys, salt_for
 
     tokens = [t + shift for t in spec.prompt_tokens]
     return msgspec.structs.replace(spec, prompt_tokens=tokens, block_keys=block_keys(tokens, 16, salt_for("t", "m")))
@@ -220,7 +220,7 @@ async def test_without_jetstream_the_scheduler_runs_without_persistence():
 
 
 async def test_the_index_learns_what_moved_down_to_the_host_tier(nats):
-    from workers.sim import SimEngineConfig
+    from switchyard.workers.sim import SimEngineConfig
 
     tiered = SimEngineConfig(token_low=256, token_high=4093, cache_blocks=3, host_cache_blocks=64)
     sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url))

@@ -6,7 +6,7 @@ tokenizer."""
 import openai
 import pytest
 
-from ingress.tokenizer import ModelTokenizer
+from switchyard.ingress.tokenizer import ModelTokenizer
 from tests.support.vllm_stack import BusWatch, UpStack, reference_outputs, seeded_prompts, tiny_model
 
 

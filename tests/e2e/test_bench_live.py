@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from bench.live import Scaling
-from bench.traces import TraceRequest
+from switchyard.bench.live import Scaling
+from switchyard.bench.traces import TraceRequest
 from switchyard import procs
 
 

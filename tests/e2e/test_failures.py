@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from scheduler.config import SchedulerConfig
+from switchyard.scheduler.config import SchedulerConfig
 from switchyard import procs
 from tests.support.stack import MODEL, running_stack, wait_until
-from workers.sim import SimCostModel
+from switchyard.workers.sim import SimCostModel
 
 SLOW_DECODE = SimCostModel(decode_step_base_s=0.02)  # 50 tokens/s per stream
 PROMPT = [{"role": "user", "content": "Count the wagons in the yard."}]

@@ -1,5 +1,5 @@
 """Real vLLM engines with KV handed over through LMCache (its CPU and disk tiers, the
-Mooncake Store as its remote tier, and our CPU KV adapter, ``kvbus.lmcache_cpu``), and
+Mooncake Store as its remote tier, and our CPU KV adapter, ``switchyard.kvbus.lmcache_cpu``), and
 n-gram speculative decoding on the decode pool, through the real HTTP API.
 
 - greedy output through prefill -> decode (speculating) equals one engine alone: neither

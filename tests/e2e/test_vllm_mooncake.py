@@ -87,7 +87,7 @@ def test_the_index_holds_the_engines_blocks_under_the_ingress_keys(stack, bus):
     """The scheduler's prefix index is fed by the engine's KV events: a prompt already
     computed places its next request by prefix; here we check the keys agree by asking the
     index through the scheduler's status of a worker's held blocks."""
-    from kvbus import KeyScheme
+    from switchyard.kvbus import KeyScheme
 
     keys = KeyScheme("vllm-sha256-cbor").keys(PREFIX + [300, 301], BLOCK, "default", "tiny-llama")
     snapshot = _snapshot(bus, "prefill")
@@ -97,8 +97,8 @@ def test_the_index_holds_the_engines_blocks_under_the_ingress_keys(stack, bus):
 def test_the_segment_dying_between_prefill_and_decode_means_recompute(stack, bus, references):
     """The test plays the scheduler for one request, on the bus, so that the segment dies
     exactly after the prefill stored the KV and before the decode engine loads it."""
-    from kvbus import KeyScheme
-    from schemas import (
+    from switchyard.kvbus import KeyScheme
+    from switchyard.schemas import (
         DecodeTask,
         PrefillDone,
         PrefillTask,
@@ -186,7 +186,7 @@ def _whole_blocks(prompt_tokens: int) -> int:
 
 
 def _snapshot(bus: BusWatch, role: str) -> list[int]:
-    from schemas import KvSnapshot, KvSnapshotRequest, codec, subjects
+    from switchyard.schemas import KvSnapshot, KvSnapshotRequest, codec, subjects
 
     worker = next(w.worker_id for w in bus.status().workers if w.role == role)
 

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_nixl_handoff_matches_one_engine(module_nats, tmp_path, references):
-    from ingress.tokenizer import ModelTokenizer
+    from switchyard.ingress.tokenizer import ModelTokenizer
     from tests.support.vllm_stack import tiny_model
 
     tokenizer = ModelTokenizer.load(tiny_model())

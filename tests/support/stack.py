@@ -18,14 +18,14 @@ import httpx
 import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ingress.config import IngressConfig
-from ingress.service import IngressService
-from scheduler.config import SchedulerConfig
-from scheduler.service import SchedulerService, SchedulerServiceConfig
+from switchyard.ingress.config import IngressConfig
+from switchyard.ingress.service import IngressService
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
 from switchyard.cli import BUNDLED_MODEL
-from workers import WorkerConfig, build_worker
-from workers.runtime import WorkerRuntime
-from workers.sim import SimCostModel, SimEngineConfig
+from switchyard.workers import WorkerConfig, build_worker
+from switchyard.workers.runtime import WorkerRuntime
+from switchyard.workers.sim import SimCostModel, SimEngineConfig
 
 MODEL = "switchyard-sim"
 SIM = SimEngineConfig(token_low=256, token_high=4093)

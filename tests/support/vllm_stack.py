@@ -150,7 +150,7 @@ class BusWatch:
     async def _connect(self) -> None:
         import nats
 
-        from schemas import codec, subjects
+        from switchyard.schemas import codec, subjects
 
         self._nc = await nats.connect(self.nats_url)
 
@@ -161,7 +161,7 @@ class BusWatch:
         await self._nc.flush()
 
     def status(self):
-        from schemas import ClusterStatus, StatusRequest, codec, subjects
+        from switchyard.schemas import ClusterStatus, StatusRequest, codec, subjects
 
         async def ask():
             reply = await self._nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(StatusRequest()), timeout=2)
@@ -173,7 +173,7 @@ class BusWatch:
 
     def stats(self, role: str):
         """Summed engine counters of the workers of ``role``."""
-        from schemas import EngineStats
+        from switchyard.schemas import EngineStats
 
         total: dict[str, int] = {}
         for worker in self.status().workers:
@@ -183,7 +183,7 @@ class BusWatch:
         return EngineStats(**total)
 
     def finished(self, worker_prefix: str = "") -> dict:
-        from schemas import RequestFinished
+        from switchyard.schemas import RequestFinished
 
         return {e.request_id: e for e in self.events
                 if isinstance(e, RequestFinished) and e.worker_id.startswith(worker_prefix)}

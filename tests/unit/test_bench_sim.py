@@ -10,13 +10,13 @@ import subprocess
 
 import pytest
 
-from bench.calibration import PUBLISHED, closed_loop
-from bench.costmodel import CostModel
-from bench.fleet import EventLoop, FleetShape, SimWorker
-from bench.replay import ReplaySettings, replay
-from bench.sim import parse_policies, percentile
-from bench.traces import TraceRequest
-from schemas import PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams
+from switchyard.bench.calibration import PUBLISHED, closed_loop
+from switchyard.bench.costmodel import CostModel
+from switchyard.bench.fleet import EventLoop, FleetShape, SimWorker
+from switchyard.bench.replay import ReplaySettings, replay
+from switchyard.bench.sim import parse_policies, percentile
+from switchyard.bench.traces import TraceRequest
+from switchyard.schemas import PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams
 from switchyard import procs
 from switchyard.cli import build_parser
 
@@ -128,7 +128,7 @@ def sim_args(trace, out, *extra: str):
 
 
 def run_sim(trace, out, *extra: str) -> list[dict]:
-    from bench.sim import run
+    from switchyard.bench.sim import run
 
     assert run(sim_args(trace, out, *extra)) == 0
     return json.loads((out / "results.json").read_text())

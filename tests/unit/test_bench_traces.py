@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.traces import TraceError, TraceRequest, block_keys, detect_format, hit_ratio_bound, read_trace, tenant_salt
+from switchyard.bench.traces import TraceError, TraceRequest, block_keys, detect_format, hit_ratio_bound, read_trace, tenant_salt
 
 
 def write_mooncake(path, rows):
@@ -110,7 +110,7 @@ def test_block_keys_keep_sharing_within_a_tenant_and_separate_tenants():
 
 
 def test_lru_hit_ratio_is_bounded_by_the_infinite_cache_and_shrinks_with_the_cache():
-    from bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio
+    from switchyard.bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio
 
     a, b = (1, 2, 3), (4, 5, 6)
     requests = [TraceRequest(float(i), 1536, 1, ids) for i, ids in enumerate([a, b, a, b])]

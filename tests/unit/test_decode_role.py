@@ -5,10 +5,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from factories import make_spec
-from schemas import DecodeTask, PromptUsage, SimKvHandle
-from workers.decode import DecodeRole
-from workers.sim import SimCostModel, SimEngine, SimEngineConfig
+from tests.support.factories import make_spec
+from switchyard.schemas import DecodeTask, PromptUsage, SimKvHandle
+from switchyard.workers.decode import DecodeRole
+from switchyard.workers.sim import SimCostModel, SimEngine, SimEngineConfig
 
 pytestmark = pytest.mark.anyio
 

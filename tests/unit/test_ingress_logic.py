@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ingress.errors import InvalidRequest
-from ingress.openai_types import (
+from switchyard.ingress.errors import InvalidRequest
+from switchyard.ingress.openai_types import (
     MAX_STOPS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -18,10 +18,10 @@ from ingress.openai_types import (
     decode_body,
     stop_strings,
 )
-from ingress.streams import StreamFailed, TokenSequencer
-from ingress.text import TextAssembler
-from ingress.tokenizer import ModelTokenizer
-from schemas import PromptUsage, StreamChunk, StreamError
+from switchyard.ingress.streams import StreamFailed, TokenSequencer
+from switchyard.ingress.text import TextAssembler
+from switchyard.ingress.tokenizer import ModelTokenizer
+from switchyard.schemas import PromptUsage, StreamChunk, StreamError
 from switchyard.models import build_tokenizer
 
 SIM_TINY = Path(build_tokenizer.__file__).parent / "sim-tiny"
@@ -365,8 +365,8 @@ def test_check_sampling_accepts_the_edges() -> None:
 
 # --- StreamRouter: bounded inboxes, idle expiry -------------------------------------------------
 
-from ingress.streams import StreamRouter  # noqa: E402
-from schemas import StreamBatch  # noqa: E402
+from switchyard.ingress.streams import StreamRouter  # noqa: E402
+from switchyard.schemas import StreamBatch  # noqa: E402
 
 
 def _route_all(router: StreamRouter, *chunks) -> None:
@@ -408,7 +408,7 @@ def test_router_expires_silent_streams_only() -> None:
 
 
 def test_stream_batches_round_trip_through_the_router_codec() -> None:
-    from schemas import codec
+    from switchyard.schemas import codec
 
     batch = StreamBatch(sender="w", chunks=[StreamChunk(request_id="r", seq=0, token_ids=[5, 6])])
     assert codec.STREAM_BATCH.decode(codec.STREAM_BATCH.encode(batch)) == batch

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvbus.keys import ROOT_KEY, block_keys, hash_block_tokens, salt_for
+from switchyard.kvbus.keys import ROOT_KEY, block_keys, hash_block_tokens, salt_for
 
 SALT = salt_for("acme", "switchyard-sim")
 SEED = 20240611

@@ -22,9 +22,9 @@ from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllo
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
-from kvbus.lmcache_config import write_lmcache_config  # noqa: E402
-import kvbus.lmcache_cpu as lmc_cpu  # noqa: E402
-from kvbus.lmcache_cpu import CPUPagedKVConnector, block_layout, register_cpu_kv_connector  # noqa: E402
+from switchyard.kvbus.lmcache_config import write_lmcache_config  # noqa: E402
+import switchyard.kvbus.lmcache_cpu as lmc_cpu  # noqa: E402
+from switchyard.kvbus.lmcache_cpu import CPUPagedKVConnector, block_layout, register_cpu_kv_connector  # noqa: E402
 
 LAYERS, HEADS, HEAD, BS, BLOCKS = 2, 2, 32, 32, 12
 DTYPE = torch.float32
@@ -173,7 +173,7 @@ def test_written_config_loads_in_lmcache(tmp_path: Path) -> None:
         tmp_path / "lmc.yaml", role="kv_consumer", block_size=32, chunk_blocks=8, cpu_gb=0.5,
         disk_dir=tmp_path / "disk", disk_gb=1, mooncake_rpc_port=51151, mooncake_http_port=51180,
     )
-    assert kvt == {"kv_connector": "LMCacheCPUConnectorV1", "kv_connector_module_path": "kvbus.lmcache_cpu",
+    assert kvt == {"kv_connector": "LMCacheCPUConnectorV1", "kv_connector_module_path": "switchyard.kvbus.lmcache_cpu",
                    "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
     cfg = load_engine_config_with_overrides(config_file_path=env["LMCACHE_CONFIG_FILE"])
     assert cfg.chunk_size == 256 and cfg.pre_caching_hash_algorithm == "sha256_cbor"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from factories import make_spec
-from scheduler.config import SchedulerConfig
-from scheduler.index import WorkerMatch
-from scheduler.policies import POLICIES, PlacementView, Prefix, Switchyard, decode_cost, make_policy
-from scheduler.state import Tracked, WorkerState
+from tests.support.factories import make_spec
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.index import WorkerMatch
+from switchyard.scheduler.policies import POLICIES, PlacementView, Prefix, Switchyard, decode_cost, make_policy
+from switchyard.scheduler.state import Tracked, WorkerState
 
 
 def worker(wid: str, load: int = 0, requests: int = 0, rate: float = 10_000.0, budget: int = 100_000,

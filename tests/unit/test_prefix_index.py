@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from factories import make_spec, prompt_of
-from kvbus.keys import block_keys, salt_for
-from scheduler.index import PrefixIndex, WorkerMatch
-from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot, PrefillTask, codec
-from workers.kv_events import KvReporter
-from workers.sim import SimEngine, SimEngineConfig
+from tests.support.factories import make_spec, prompt_of
+from switchyard.kvbus.keys import block_keys, salt_for
+from switchyard.scheduler.index import PrefixIndex, WorkerMatch
+from switchyard.schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot, PrefillTask, codec
+from switchyard.workers.kv_events import KvReporter
+from switchyard.workers.sim import SimEngine, SimEngineConfig
 
 BLOCK = 16
 TIERS = ("device", "host", "disk", "cluster")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from factories import (
+from tests.support.factories import (
     FakeClock,
     load_report,
     make_spec,
@@ -22,8 +22,8 @@ from factories import (
     request_finished,
     worker_leaving,
 )
-from scheduler import BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
-from schemas import Admitted, DecodeTask, PrefillTask, Rejected, RequestSpec, WorkerEvent
+from switchyard.scheduler import BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
+from switchyard.schemas import Admitted, DecodeTask, PrefillTask, Rejected, RequestSpec, WorkerEvent
 
 
 class Harness:

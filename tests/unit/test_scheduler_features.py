@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from factories import FakeClock, load_report, make_spec, prefill_done, request_finished
-from scheduler import BindSession, Dispatch, FailStream, SchedulerConfig, SchedulerCore
-from scheduler.sessions import Binding
-from schemas import Admitted, DecodeTask, LocalTask, PrefillTask, Rejected
+from tests.support.factories import FakeClock, load_report, make_spec, prefill_done, request_finished
+from switchyard.scheduler import BindSession, Dispatch, FailStream, SchedulerConfig, SchedulerCore
+from switchyard.scheduler.sessions import Binding
+from switchyard.schemas import Admitted, DecodeTask, LocalTask, PrefillTask, Rejected
 
 
 class Core:
@@ -216,7 +216,7 @@ def test_colocated_workers_decode_where_they_prefill() -> None:
 
 
 def test_a_colocated_worker_with_full_kv_takes_no_new_prompt() -> None:
-    from factories import load_report
+    from tests.support.factories import load_report
 
     c = Core()
     c.core.on_event(msgspec_replace(load_report("w", "both", budget=1000, seq=1), kv_capacity_tokens=150),
@@ -242,14 +242,14 @@ def test_colocated_alone_counts_as_both_roles_for_admission() -> None:
 
 
 def _snapshot(worker_id: str, seq: int, keys: list[int]):
-    from schemas import KvSnapshot
+    from switchyard.schemas import KvSnapshot
 
     return KvSnapshot(worker_id=worker_id, seq=seq, blocks={"device": keys})
 
 
 def test_a_heartbeat_ahead_of_the_index_asks_a_snapshot() -> None:
-    from factories import load_report
-    from scheduler import RequestSnapshot
+    from tests.support.factories import load_report
+    from switchyard.scheduler import RequestSnapshot
 
     c = Core()
     c.worker("p", "prefill")
@@ -265,7 +265,7 @@ def test_a_heartbeat_ahead_of_the_index_asks_a_snapshot() -> None:
 
 
 def test_a_failed_snapshot_forgets_the_worker_and_is_retried_on_tick() -> None:
-    from scheduler import RequestSnapshot
+    from switchyard.scheduler import RequestSnapshot
 
     c = Core(snapshot_retry_s=1.0)
     c.worker("p", "prefill")
@@ -285,7 +285,7 @@ def msgspec_replace(struct, **changes):
 
 
 def test_the_prefill_rate_is_learned_from_the_whole_batch() -> None:
-    from schemas import PromptUsage
+    from switchyard.schemas import PromptUsage
 
     c = Core(default_prefill_tokens_per_s=1000.0)
     c.worker("p", "prefill")

@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from schemas import codec, messages, subjects
-from schemas import messages as m
-from schemas.codec import Codec
+from switchyard.schemas import codec, messages, subjects
+from switchyard.schemas import messages as m
+from switchyard.schemas.codec import Codec
 
 SPEC = m.RequestSpec(
     request_id="r-42", ingress_id="ing-7", model="sim-tiny", prompt_tokens=[5, 6, 7, 8, 9],

@@ -10,10 +10,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-import workers.sim as sim
-from factories import make_spec, prompt_of, usage_of
-from schemas import DecodeTask, PrefillTask, RequestSpec, SimKvHandle
-from workers.sim import SimCostModel, SimEngine, SimEngineConfig, sampling_key
+import switchyard.workers.sim as sim
+from tests.support.factories import make_spec, prompt_of, usage_of
+from switchyard.schemas import DecodeTask, PrefillTask, RequestSpec, SimKvHandle
+from switchyard.workers.sim import SimCostModel, SimEngine, SimEngineConfig, sampling_key
 
 BLOCK = 16
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import ingress.tokenizer as tokenizer_module
-from ingress.tokenizer import ModelInfo, ModelTokenizer, TokenizerError
+import switchyard.ingress.tokenizer as tokenizer_module
+from switchyard.ingress.tokenizer import ModelInfo, ModelTokenizer, TokenizerError
 from switchyard.models import build_tokenizer
 
 SHIPPED = Path(build_tokenizer.__file__).parent / "sim-tiny"

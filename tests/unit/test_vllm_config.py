@@ -8,8 +8,8 @@ import json
 import pytest
 
 from switchyard.cli import build_parser, vllm_config
-from workers.config import WorkerConfig
-from workers.vllm_config import (
+from switchyard.workers.config import WorkerConfig
+from switchyard.workers.vllm_config import (
     MooncakeSettings,
     ParallelSettings,
     SpeculativeSettings,

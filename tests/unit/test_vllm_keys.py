@@ -7,14 +7,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvbus import KeyScheme, cache_salt_for, key_of_digest, vllm_block_hashes
+from switchyard.kvbus import KeyScheme, cache_salt_for, key_of_digest, vllm_block_hashes
 
 # Not skipped without vLLM: `make test` installs it, and its absence is a failure.
 from vllm.distributed import kv_events as vllm_events  # noqa: E402
 from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.utils.hashing import sha256_cbor  # noqa: E402
 
-from workers.vllm_engine import VllmKvEvents  # noqa: E402
+from switchyard.workers.vllm_engine import VllmKvEvents  # noqa: E402
 
 
 def _engine_hashes(tokens: list[int], block_size: int, salt: str | None) -> list[bytes]:
@@ -111,13 +111,13 @@ async def test_waiting_for_the_store_returns_when_the_blocks_are_written() -> No
 
 
 def test_a_nixl_handle_tells_the_decode_engine_where_to_pull_from() -> None:
-    from schemas import MooncakeStoreKvHandle, NixlKvHandle, codec
-    from workers.vllm_engine import decode_transfer_args
+    from switchyard.schemas import MooncakeStoreKvHandle, NixlKvHandle, codec
+    from switchyard.workers.vllm_engine import decode_transfer_args
 
     params = {"remote_block_ids": [3, 4], "remote_engine_id": "e-1", "remote_host": "10.0.0.7", "remote_port": 5600}
     handle = NixlKvHandle(worker_id="p", num_tokens=70, block_size=32, params=__import__("json").dumps(params))
     wire = codec.WORKER_EVENT  # the handle survives the bus inside PrefillDone
-    from schemas import PrefillDone, PromptUsage
+    from switchyard.schemas import PrefillDone, PromptUsage
 
     done = wire.decode(wire.encode(PrefillDone(worker_id="p", request_id="r", handle=handle, first_token=1,
                                                usage=PromptUsage(prompt_tokens=70, cached_tokens=0), finished=False)))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from kvbus.keys import block_keys, salt_for
-from schemas import (
+from switchyard.kvbus.keys import block_keys, salt_for
+from switchyard.schemas import (
     LoadReport,
     PrefillDone,
     PrefillFailed,
