@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import EventLoop, SimWorker
-from switchyard.schemas import KvEventBatch, PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams, WorkerEvent
+from switchyard.schemas import (
+    KvEventBatch,
+    PrefillDone,
+    PrefillTask,
+    RequestFinished,
+    RequestSpec,
+    SamplingParams,
+    WorkerEvent,
+)
 
 
 @dataclass(frozen=True)
@@ -51,17 +59,28 @@ class _ClosedLoop:
         self.loop.run()
         skip = self.row.concurrency  # the first wave starts in lockstep: not steady state
         ttft, itl = self.ttft[skip:] or self.ttft, self.itl[skip:] or self.itl
-        return Row(self.row.input_tokens, self.row.output_tokens, self.row.concurrency,
-                   1e3 * sum(ttft) / len(ttft), 1e3 * sum(itl) / len(itl))
+        return Row(
+            self.row.input_tokens,
+            self.row.output_tokens,
+            self.row.concurrency,
+            1e3 * sum(ttft) / len(ttft),
+            1e3 * sum(itl) / len(itl),
+        )
 
     def send(self, now: float) -> None:
         if len(self.sent) >= self.requests:
             return
         rid = str(len(self.sent))
         self.sent[rid] = now
-        spec = RequestSpec(request_id=rid, ingress_id="calibration", model="m",
-                           prompt_tokens=[0] * self.row.input_tokens, block_size=512, block_keys=[],
-                           sampling=SamplingParams(max_tokens=self.row.output_tokens))
+        spec = RequestSpec(
+            request_id=rid,
+            ingress_id="calibration",
+            model="m",
+            prompt_tokens=[0] * self.row.input_tokens,
+            block_size=512,
+            block_keys=[],
+            sampling=SamplingParams(max_tokens=self.row.output_tokens),
+        )
         self.worker.accept(PrefillTask(spec=spec, queued_s=0.0), now)
 
     def worker_event(self, event: WorkerEvent, now: float) -> None:
@@ -90,5 +109,7 @@ def compare(cost: CostModel = CostModel()) -> list[tuple[Row, Row]]:
 if __name__ == "__main__":
     print(f"{'in/out':>10}{'conc':>6}{'TTFT pub':>10}{'model':>8}{'ITL pub':>9}{'model':>8}")
     for pub, model in compare():
-        print(f"{pub.input_tokens:>5}/{pub.output_tokens:<4}{pub.concurrency:>6}{pub.ttft_ms:>10.1f}"
-              f"{model.ttft_ms:>8.1f}{pub.itl_ms:>9.2f}{model.itl_ms:>8.2f}")
+        print(
+            f"{pub.input_tokens:>5}/{pub.output_tokens:<4}{pub.concurrency:>6}{pub.ttft_ms:>10.1f}"
+            f"{model.ttft_ms:>8.1f}{pub.itl_ms:>9.2f}{model.itl_ms:>8.2f}"
+        )

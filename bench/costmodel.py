@@ -85,8 +85,12 @@ class CostModel:
         token for each of ``batch`` running sequences holding ``kv_tokens``."""
         if batch == 0:
             return self.prefill_base_s + self.per_token_s * prefill_work
-        return (self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_kv_token_s * kv_tokens
-                + self.per_token_s * prefill_work)
+        return (
+            self.decode_base_s
+            + self.decode_per_seq_s * batch
+            + self.decode_per_kv_token_s * kv_tokens
+            + self.per_token_s * prefill_work
+        )
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.link_bytes_per_s

@@ -15,6 +15,7 @@ import argparse
 import time
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
@@ -31,15 +32,31 @@ async def chat(request: Request) -> StreamingResponse:
 
     async def events():
         for i in range(max_tokens):
-            chunk = {"id": "direct", "object": "chat.completion.chunk", "created": created, "model": "direct",
-                     "choices": [{"index": 0, "delta": {"content": f" t{i}"}, "logprobs": None,
-                                  "finish_reason": "length" if i == max_tokens - 1 else None}]}
+            chunk = {
+                "id": "direct",
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": "direct",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": f" t{i}"},
+                        "logprobs": None,
+                        "finish_reason": "length" if i == max_tokens - 1 else None,
+                    }
+                ],
+            }
             yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         if include_usage:
-            usage = {"id": "direct", "object": "chat.completion.chunk", "created": created, "model": "direct",
-                     "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": max_tokens,
-                                              "total_tokens": max_tokens + 1}}
+            usage = {
+                "id": "direct",
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": "direct",
+                "choices": [],
+                "usage": {"prompt_tokens": 1, "completion_tokens": max_tokens, "total_tokens": max_tokens + 1},
+            }
             yield b"data: " + msgspec.json.encode(usage) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
@@ -53,8 +70,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", http="httptools", loop="uvloop",
-                access_log=False, timeout_keep_alive=65)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        http="httptools",
+        loop="uvloop",
+        access_log=False,
+        timeout_keep_alive=65,
+    )
 
 
 if __name__ == "__main__":

@@ -159,8 +159,16 @@ class WorkerStats:
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, role: Role, cost: CostModel, cache_blocks: int, loop: EventLoop,
-                 sink: Sink, reports_kv: bool | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        role: Role,
+        cost: CostModel,
+        cache_blocks: int,
+        loop: EventLoop,
+        sink: Sink,
+        reports_kv: bool | None = None,
+    ) -> None:
         self.worker_id, self.role, self.cost = worker_id, role, cost
         self.reports_kv = True if reports_kv is None else reports_kv
         self.cache = PrefixCache(cache_blocks)
@@ -290,20 +298,35 @@ class SimWorker:
     def _prefill_done(self, prompt: _Prompt, now: float) -> None:
         spec = prompt.task.spec
         finished = spec.sampling.max_tokens <= 1
-        usage = PromptUsage(prompt_tokens=prompt.total, cached_tokens=prompt.cached,
-                            queued_s=prompt.started - prompt.arrived, prefill_s=now - prompt.started)
+        usage = PromptUsage(
+            prompt_tokens=prompt.total,
+            cached_tokens=prompt.cached,
+            queued_s=prompt.started - prompt.arrived,
+            prefill_s=now - prompt.started,
+        )
         handle = SimKvHandle(worker_id=self.worker_id, block_keys=spec.block_keys, num_tokens=prompt.total)
         if prompt.decode_here and not finished:
             self._joining.append(_Joining(spec.request_id, prompt.total + 1, spec.sampling.max_tokens))
-        self._sink.worker_event(PrefillDone(worker_id=self.worker_id, request_id=spec.request_id, handle=handle,
-                                            first_token=0, usage=usage, finished=finished), now)
+        self._sink.worker_event(
+            PrefillDone(
+                worker_id=self.worker_id,
+                request_id=spec.request_id,
+                handle=handle,
+                first_token=0,
+                usage=usage,
+                finished=finished,
+            ),
+            now,
+        )
 
     def _join(self, iteration: int) -> None:
         for seq in self._joining:
             self._order += 1
             remaining = seq.tokens - 1
-            heapq.heappush(self._finishing, (iteration + remaining, self._order, seq.request_id,
-                                             seq.context + remaining, seq.tokens))
+            heapq.heappush(
+                self._finishing,
+                (iteration + remaining, self._order, seq.request_id, seq.context + remaining, seq.tokens),
+            )
             self._running += 1
             self._kv_tokens += seq.context
         self._joining.clear()
@@ -314,8 +337,12 @@ class SimWorker:
             _, _, request_id, final_kv, generated = heapq.heappop(finishing)
             self._running -= 1
             self._kv_tokens -= final_kv
-            self._sink.worker_event(RequestFinished(worker_id=self.worker_id, request_id=request_id,
-                                                    generated_tokens=generated, reason="length"), now)
+            self._sink.worker_event(
+                RequestFinished(
+                    worker_id=self.worker_id, request_id=request_id, generated_tokens=generated, reason="length"
+                ),
+                now,
+            )
 
     def _publish(self, stored: list[int], removed: list[int], now: float) -> None:
         if not self.reports_kv:

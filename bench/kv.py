@@ -36,8 +36,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from switchyard.bench import plots
 from switchyard import procs
+from switchyard.bench import plots
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,8 +57,17 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     paths = [p for p in args.paths.split(",") if p]
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"settings": {"lengths": lengths, "repeats": args.repeats, "paths": paths,
-                                  "model": str(args.model), "cpus": os.cpu_count()}, "ttft": [], "raw": []}
+    results: dict = {
+        "settings": {
+            "lengths": lengths,
+            "repeats": args.repeats,
+            "paths": paths,
+            "model": str(args.model),
+            "cpus": os.cpu_count(),
+        },
+        "ttft": [],
+        "raw": [],
+    }
     with ExitStack() as stack:
         store = stack.enter_context(procs.mooncake_store(segment_bytes=2 << 30))
         print(f"Mooncake master {store.ports.master_address}, segment of 2 GiB", flush=True)
@@ -80,10 +89,15 @@ def _engine_config(path: str, ports: procs.MooncakePorts, work: Path, role: str,
     from switchyard.workers.vllm_config import LmcacheSettings, MooncakeSettings, VllmEngineConfig
 
     return VllmEngineConfig(
-        kv_transfer=path, dtype="float32", enforce_eager=True, kv_cache_bytes=96 << 20,
-        max_model_len=max_len, work_dir=str(work / role),
+        kv_transfer=path,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_bytes=96 << 20,
+        max_model_len=max_len,
+        work_dir=str(work / role),
         mooncake=MooncakeSettings(master=ports.master_address, metadata_server=ports.metadata_server),
-        lmcache=LmcacheSettings(disk_dir=str(work / "lmcache-disk")))
+        lmcache=LmcacheSettings(disk_dir=str(work / "lmcache-disk")),
+    )
 
 
 async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: int, work: Path) -> list[dict]:
@@ -108,14 +122,23 @@ async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: 
                 await producer.wait_handoff([stored], await producer.prefill([stored]))  # as a prefill worker does
                 (loaded,) = await consumer.prefill([_task(prompt, tenant)])
                 (computed,) = await consumer.prefill([_task(prompt, tenant + "-cold")])
-                row = {"path": path, "length": length, "repeat": r,
-                       "load_ttft_s": loaded.prefill_s, "loaded_tokens": loaded.cached_tokens,
-                       "recompute_ttft_s": computed.prefill_s, "recompute_cached_tokens": computed.cached_tokens,
-                       "kv_bytes": loaded.cached_tokens * kv_bytes_per_token}
+                row = {
+                    "path": path,
+                    "length": length,
+                    "repeat": r,
+                    "load_ttft_s": loaded.prefill_s,
+                    "loaded_tokens": loaded.cached_tokens,
+                    "recompute_ttft_s": computed.prefill_s,
+                    "recompute_cached_tokens": computed.cached_tokens,
+                    "kv_bytes": loaded.cached_tokens * kv_bytes_per_token,
+                }
                 row["kv_gib_per_s"] = row["kv_bytes"] / loaded.prefill_s / (1 << 30)
                 rows.append(row)
-                print(f"[{path}] {length:>6} tokens #{r}: load {loaded.prefill_s * 1000:8.1f} ms "
-                      f"({loaded.cached_tokens} loaded), recompute {computed.prefill_s * 1000:8.1f} ms", flush=True)
+                print(
+                    f"[{path}] {length:>6} tokens #{r}: load {loaded.prefill_s * 1000:8.1f} ms "
+                    f"({loaded.cached_tokens} loaded), recompute {computed.prefill_s * 1000:8.1f} ms",
+                    flush=True,
+                )
     finally:
         await consumer.stop()
         await producer.stop()
@@ -125,9 +148,16 @@ async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: 
 def _task(prompt: list[int], tenant: str):
     from switchyard.schemas import PrefillTask, RequestSpec, SamplingParams
 
-    spec = RequestSpec(request_id=f"bench-{time.time_ns()}", ingress_id="bench", model="bench",
-                       prompt_tokens=prompt, block_size=32, block_keys=[],
-                       sampling=SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant)
+    spec = RequestSpec(
+        request_id=f"bench-{time.time_ns()}",
+        ingress_id="bench",
+        model="bench",
+        prompt_tokens=prompt,
+        block_size=32,
+        block_keys=[],
+        sampling=SamplingParams(max_tokens=1, temperature=0.0),
+        tenant=tenant,
+    )
     return PrefillTask(spec=spec, queued_s=0.0)
 
 
@@ -175,11 +205,20 @@ def raw_mooncake(ports: procs.MooncakePorts, seconds: float) -> list[dict]:
             for key in keys:
                 store.remove(key)
             store.unregister_buffer(address)
-            rows.append({"value_bytes": size, "values": len(keys), "read_back": got,
-                         "put_mib_per_s": len(keys) * size / put_s / (1 << 20),
-                         "get_mib_per_s": got * size / get_s / (1 << 20) if get_s else 0.0})
-            print(f"raw Mooncake {size >> 10:>5} KiB values: put {rows[-1]['put_mib_per_s']:7.1f} MiB/s, "
-                  f"get {rows[-1]['get_mib_per_s']:7.1f} MiB/s ({len(keys)} values)", flush=True)
+            rows.append(
+                {
+                    "value_bytes": size,
+                    "values": len(keys),
+                    "read_back": got,
+                    "put_mib_per_s": len(keys) * size / put_s / (1 << 20),
+                    "get_mib_per_s": got * size / get_s / (1 << 20) if get_s else 0.0,
+                }
+            )
+            print(
+                f"raw Mooncake {size >> 10:>5} KiB values: put {rows[-1]['put_mib_per_s']:7.1f} MiB/s, "
+                f"get {rows[-1]['get_mib_per_s']:7.1f} MiB/s ({len(keys)} values)",
+                flush=True,
+            )
     finally:
         store.close()
     return rows
@@ -197,26 +236,40 @@ def summary(results: dict) -> list[dict]:
                 continue
             load = statistics.median(r["load_ttft_s"] for r in mine)
             recompute = statistics.median(r["recompute_ttft_s"] for r in mine)
-            rows.append({"path": path, "length": length, "load_ms": load * 1000, "recompute_ms": recompute * 1000,
-                         "speedup": recompute / load, "loaded_tokens": min(r["loaded_tokens"] for r in mine),
-                         "kv_gib_per_s": statistics.median(r["kv_gib_per_s"] for r in mine)})
+            rows.append(
+                {
+                    "path": path,
+                    "length": length,
+                    "load_ms": load * 1000,
+                    "recompute_ms": recompute * 1000,
+                    "speedup": recompute / load,
+                    "loaded_tokens": min(r["loaded_tokens"] for r in mine),
+                    "kv_gib_per_s": statistics.median(r["kv_gib_per_s"] for r in mine),
+                }
+            )
     return rows
 
 
 def print_table(results: dict) -> None:
     print()
-    print("| path | prompt tokens | TTFT loaded (median ms) | TTFT recomputed (median ms) | recompute / load "
-          "| tokens loaded (min) | KV GiB/s moved |")
+    print(
+        "| path | prompt tokens | TTFT loaded (median ms) | TTFT recomputed (median ms) | recompute / load "
+        "| tokens loaded (min) | KV GiB/s moved |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in summary(results):
-        print(f"| {row['path']} | {row['length']} | {row['load_ms']:.1f} | {row['recompute_ms']:.1f} | "
-              f"{row['speedup']:.2f}x | {row['loaded_tokens']} | {row['kv_gib_per_s']:.2f} |")
+        print(
+            f"| {row['path']} | {row['length']} | {row['load_ms']:.1f} | {row['recompute_ms']:.1f} | "
+            f"{row['speedup']:.2f}x | {row['loaded_tokens']} | {row['kv_gib_per_s']:.2f} |"
+        )
     print()
     print("| raw Mooncake value | put MiB/s | get MiB/s | values |")
     print("|---|---|---|---|")
     for row in results["raw"]:
-        print(f"| {row['value_bytes'] >> 10} KiB | {row['put_mib_per_s']:.1f} | {row['get_mib_per_s']:.1f} | "
-              f"{row['values']} |")
+        print(
+            f"| {row['value_bytes'] >> 10} KiB | {row['put_mib_per_s']:.1f} | {row['get_mib_per_s']:.1f} | "
+            f"{row['values']} |"
+        )
 
 
 def plot(results: dict, out: Path) -> None:
@@ -227,8 +280,16 @@ def plot(results: dict, out: Path) -> None:
         lengths = [r["length"] for r in mine]
         ax.plot(lengths, [r["load_ms"] for r in mine], "o-", label=f"{path}: loaded")
         ax.plot(lengths, [r["recompute_ms"] for r in mine], "x--", label=f"{path}: recomputed")
-    plots.save(fig, ax, out / "ttft.png", title="Time to first token: KV loaded vs recomputed (median)",
-               xlabel="prompt tokens", ylabel="TTFT (ms)", log_x=True, log_y=True)
+    plots.save(
+        fig,
+        ax,
+        out / "ttft.png",
+        title="Time to first token: KV loaded vs recomputed (median)",
+        xlabel="prompt tokens",
+        ylabel="TTFT (ms)",
+        log_x=True,
+        log_y=True,
+    )
     fig, ax = plots.figure()
     labels, values = [], []
     for row in rows:
@@ -239,5 +300,6 @@ def plot(results: dict, out: Path) -> None:
         values += [row["put_mib_per_s"] / 1024, row["get_mib_per_s"] / 1024]
     ax.bar(range(len(values)), values, label="GiB/s")
     ax.set_xticks(range(len(values)), labels, fontsize=6)
-    plots.save(fig, ax, out / "throughput.png", title="KV moved by the engines vs raw Mooncake",
-               xlabel="", ylabel="GiB/s")
+    plots.save(
+        fig, ax, out / "throughput.png", title="KV moved by the engines vs raw Mooncake", xlabel="", ylabel="GiB/s"
+    )

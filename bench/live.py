@@ -32,6 +32,7 @@ from pathlib import Path
 import anyio
 import httpx
 
+from switchyard import procs
 from switchyard.bench import plots
 from switchyard.bench import stack as bench_stack
 from switchyard.bench.costmodel import CostModel
@@ -39,7 +40,6 @@ from switchyard.bench.fleet import FleetShape
 from switchyard.bench.replay import ReplaySettings, replay
 from switchyard.bench.sim import parse_policies, percentile, summarize
 from switchyard.bench.traces import TRACE_BLOCK_SIZE, TraceRequest, hit_ratio_bound, read_trace
-from switchyard import procs
 
 MODEL = "switchyard-sim"
 CONTEXT = 4096  # the bundled sim-tiny model's
@@ -53,8 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=2, help="decode workers (as bench sim)")
     p.add_argument("--limit", type=int, default=400, help="the first N requests of the trace")
     p.add_argument("--time-scale", type=float, default=0.1, help="live seconds per trace second")
-    p.add_argument("--token-scale", type=int, default=16, choices=[1, 2, 4, 8, 16, 32, 64],
-                   help="trace tokens per live token")
+    p.add_argument(
+        "--token-scale", type=int, default=16, choices=[1, 2, 4, 8, 16, 32, 64], help="trace tokens per live token"
+    )
     p.add_argument("--cache-blocks", type=int, default=CostModel().kv_capacity_tokens // TRACE_BLOCK_SIZE)
     p.add_argument("--out", type=Path, default=Path("bench/results/live"))
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
@@ -91,13 +92,23 @@ def live_cost(cost: CostModel) -> CostModel:
 
 def worker_flags(cost: CostModel, scaling: Scaling, cache_blocks: int) -> list[str]:
     t, k = scaling.time, scaling.tokens
-    return ["--block-size", str(scaling.block_tokens), "--sim-cache-blocks", str(cache_blocks),
-            "--sim-prefill-base-s", repr(cost.prefill_base_s * t),
-            "--sim-prefill-per-token-s", repr(cost.per_token_s * k * t),
-            # one live step stands for k trace steps: k tokens of every running sequence
-            "--sim-decode-step-base-s", repr(cost.decode_base_s * k * t),
-            "--sim-decode-step-per-seq-s", repr(cost.decode_per_seq_s * k * t),
-            "--token-budget", str(max(1, cost.kv_capacity_tokens // k))]
+    return [
+        "--block-size",
+        str(scaling.block_tokens),
+        "--sim-cache-blocks",
+        str(cache_blocks),
+        "--sim-prefill-base-s",
+        repr(cost.prefill_base_s * t),
+        "--sim-prefill-per-token-s",
+        repr(cost.per_token_s * k * t),
+        # one live step stands for k trace steps: k tokens of every running sequence
+        "--sim-decode-step-base-s",
+        repr(cost.decode_base_s * k * t),
+        "--sim-decode-step-per-seq-s",
+        repr(cost.decode_per_seq_s * k * t),
+        "--token-budget",
+        str(max(1, cost.kv_capacity_tokens // k)),
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,19 +119,26 @@ def run(args: argparse.Namespace) -> int:
     skipped = len(trace) - len(requests)
     bound = hit_ratio_bound(requests)
     cost = live_cost(CostModel())
-    print(f"{args.trace.name}: {len(requests)} requests ({skipped} longer than the live context skipped), "
-          f"{requests[-1].arrival_s:.0f} s of trace in about {requests[-1].arrival_s * scaling.time:.0f} s live; "
-          f"hit ratio bound {bound:.3f}", flush=True)
+    print(
+        f"{args.trace.name}: {len(requests)} requests ({skipped} longer than the live context skipped), "
+        f"{requests[-1].arrival_s:.0f} s of trace in about {requests[-1].arrival_s * scaling.time:.0f} s live; "
+        f"hit ratio bound {bound:.3f}",
+        flush=True,
+    )
     rows = []
     for policy in policies:
         live = _live_run(policy, requests, scaling, cost, args)
         twin = _sim_run(policy, requests, cost, args, bound)
-        rows.append({"policy": policy, "live": live | {"skipped": skipped, "hit_ratio_bound": bound},
-                     "sim": twin})
+        rows.append({"policy": policy, "live": live | {"skipped": skipped, "hit_ratio_bound": bound}, "sim": twin})
         print(f"  {policy}: live TTFT p50 {_ms(live['ttft_p50_s'])}, sim {_ms(twin['ttft_p50_s'])}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    public = [{k: v if not isinstance(v, dict) else {m: x for m, x in v.items() if not m.endswith("_samples_s")}
-               for k, v in row.items()} for row in rows]
+    public = [
+        {
+            k: v if not isinstance(v, dict) else {m: x for m, x in v.items() if not m.endswith("_samples_s")}
+            for k, v in row.items()
+        }
+        for row in rows
+    ]
     (args.out / "results.json").write_text(json.dumps(public, indent=2) + "\n")
     print(_table(rows), flush=True)
     _plot(rows, args.out)
@@ -133,7 +151,8 @@ def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, b
     result = replay(requests, ReplaySettings(policy=policy, shape=shape, cost=cost))
     summary = summarize(result, bound, "disaggregated", args.ttft_slo_s, args.tpot_slo_s)
     return {k: v for k, v in summary.items() if not k.endswith("_samples_s")} | {
-        "ttft_samples_s": summary.get("ttft_samples_s", [])}
+        "ttft_samples_s": summary.get("ttft_samples_s", [])
+    }
 
 
 # --- the live run --------------------------------------------------------------------------------
@@ -142,8 +161,15 @@ def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, b
 def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost: CostModel, args) -> dict:
     with ExitStack() as stack:
         server = stack.enter_context(procs.nats_server())
-        live = bench_stack.start(stack, server, "--policy", policy, *worker_flags(cost, scaling, args.cache_blocks),
-                                 prefill=args.prefill, decode=args.decode)
+        live = bench_stack.start(
+            stack,
+            server,
+            "--policy",
+            policy,
+            *worker_flags(cost, scaling, args.cache_blocks),
+            prefill=args.prefill,
+            decode=args.decode,
+        )
         samples = anyio.run(_replay, live.url, requests, scaling)
     return _summarize_live(policy, requests, samples, scaling, args)
 
@@ -174,8 +200,14 @@ async def _replay(url: str, requests: list[TraceRequest], scaling: Scaling) -> l
 
 async def _one(client: httpx.AsyncClient, request: TraceRequest, scaling: Scaling, sample: _Sample) -> None:
     prompt = scaling.prompt(request)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": scaling.live_tokens(request.output_tokens),
-            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": scaling.live_tokens(request.output_tokens),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
     sample.prompt = len(prompt)
     sent = time.perf_counter()
     tail, first, last = b"", None, None
@@ -199,20 +231,28 @@ async def _one(client: httpx.AsyncClient, request: TraceRequest, scaling: Scalin
     sample.cached = int(bench_stack.CACHED_TOKENS.findall(tail)[-1])
 
 
-def _summarize_live(policy: str, requests: list[TraceRequest], samples: list[_Sample], scaling: Scaling,
-                    args) -> dict:
+def _summarize_live(policy: str, requests: list[TraceRequest], samples: list[_Sample], scaling: Scaling, args) -> dict:
     done = [(r, s) for r, s in zip(requests, samples) if s.status == 200]
     ttfts = [s.ttft_s / scaling.time for _, s in done]
     tpots = [s.span_s / (s.completion - 1) / (scaling.time * scaling.tokens) for _, s in done if s.completion > 1]
-    good = sum(1 for (_, s), ttft in zip(done, ttfts)
-               if ttft <= args.ttft_slo_s and (s.completion <= 1 or s.span_s / (s.completion - 1)
-                                               / (scaling.time * scaling.tokens) <= args.tpot_slo_s))
+    good = sum(
+        1
+        for (_, s), ttft in zip(done, ttfts)
+        if ttft <= args.ttft_slo_s
+        and (s.completion <= 1 or s.span_s / (s.completion - 1) / (scaling.time * scaling.tokens) <= args.tpot_slo_s)
+    )
     span = (requests[-1].arrival_s - requests[0].arrival_s) or 1.0
-    summary = {"policy": policy, "mode": "live", "requests": len(requests), "completed": len(done),
-               "rejected": sum(s.status == 429 for s in samples),
-               "failed": sum(s.status not in (200, 429) for s in samples),
-               "cache_hit_ratio": sum(s.cached for _, s in done) / max(1, sum(s.prompt for _, s in done)),
-               "goodput_rps": good / span, "ttft_samples_s": ttfts}
+    summary = {
+        "policy": policy,
+        "mode": "live",
+        "requests": len(requests),
+        "completed": len(done),
+        "rejected": sum(s.status == 429 for s in samples),
+        "failed": sum(s.status not in (200, 429) for s in samples),
+        "cache_hit_ratio": sum(s.cached for _, s in done) / max(1, sum(s.prompt for _, s in done)),
+        "goodput_rps": good / span,
+        "ttft_samples_s": ttfts,
+    }
     for name, values in (("ttft", ttfts), ("tpot", tpots)):
         for p in (50, 90, 99):
             summary[f"{name}_p{p}_s"] = percentile(values, p)
@@ -227,14 +267,19 @@ def _ms(x: float | None) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["", f"{'policy':<16}{'run':<6}{'done':>6}{'429':>5}{'hit':>7}{'TTFT p50':>11}{'TTFT p90':>11}"
-                 f"{'TPOT p50':>11}{'TPOT p90':>11}{'goodput/s':>11}"]
+    lines = [
+        "",
+        f"{'policy':<16}{'run':<6}{'done':>6}{'429':>5}{'hit':>7}{'TTFT p50':>11}{'TTFT p90':>11}"
+        f"{'TPOT p50':>11}{'TPOT p90':>11}{'goodput/s':>11}",
+    ]
     for row in rows:
         for run_name in ("live", "sim"):
             r = row[run_name]
-            lines.append(f"{row['policy']:<16}{run_name:<6}{r['completed']:>6}{r['rejected']:>5}"
-                         f"{r['cache_hit_ratio']:>7.3f}{_ms(r['ttft_p50_s']):>11}{_ms(r['ttft_p90_s']):>11}"
-                         f"{_ms(r['tpot_p50_s']):>11}{_ms(r['tpot_p90_s']):>11}{r['goodput_rps']:>11.2f}")
+            lines.append(
+                f"{row['policy']:<16}{run_name:<6}{r['completed']:>6}{r['rejected']:>5}"
+                f"{r['cache_hit_ratio']:>7.3f}{_ms(r['ttft_p50_s']):>11}{_ms(r['ttft_p90_s']):>11}"
+                f"{_ms(r['tpot_p50_s']):>11}{_ms(r['tpot_p90_s']):>11}{r['goodput_rps']:>11.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -243,8 +288,15 @@ def _plot(rows: list[dict], out: Path) -> None:
     for row in rows:
         for run_name, style in (("live", "-"), ("sim", "--")):
             plots.cdf(ax, row[run_name].get("ttft_samples_s") or [], f"{row['policy']} {run_name}", style)
-    plots.save(fig, ax, out / "live_vs_sim.png", title="Live replay against its simulation",
-               xlabel="time to first token, trace seconds", ylabel="fraction of requests", log_x=True)
+    plots.save(
+        fig,
+        ax,
+        out / "live_vs_sim.png",
+        title="Live replay against its simulation",
+        xlabel="time to first token, trace seconds",
+        ylabel="fraction of requests",
+        log_x=True,
+    )
 
 
 __all__ = ["Scaling", "add_arguments", "live_cost", "run", "worker_flags"]

@@ -23,13 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import httpx
 import nats
 import psutil
 
+from switchyard import procs
 from switchyard.bench import plots
 from switchyard.bench import stack as bench_stack
-from switchyard import procs
 
 MODEL = "switchyard-sim"
 PROMPT = [{"role": "user", "content": "Measure the yard: how long does a token take to get through?"}]
@@ -41,8 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,64,256", help="comma-separated stream counts")
     p.add_argument("--stream-tokens", type=int, default=256, help="max_tokens of each streamed request")
     p.add_argument("--seconds", type=float, default=6.0, help="length of each throughput run")
-    p.add_argument("--min-publish-interval-s", type=float, default=0.001,
-                   help="decode workers' message floor (0: one bus message per engine step)")
+    p.add_argument(
+        "--min-publish-interval-s",
+        type=float,
+        default=0.001,
+        help="decode workers' message floor (0: one bus message per engine step)",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: few requests, short runs")
 
 
@@ -60,10 +65,16 @@ def run(args: argparse.Namespace) -> int:
         args.ttft_requests, args.seconds, args.stream_tokens = 40, 1.5, 64
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    results = Results(settings={"ttft_requests": args.ttft_requests, "concurrency": levels,
-                                "min_publish_interval_s": args.min_publish_interval_s,
-                                "stream_tokens": args.stream_tokens, "seconds": args.seconds,
-                                "cpus": psutil.cpu_count()})
+    results = Results(
+        settings={
+            "ttft_requests": args.ttft_requests,
+            "concurrency": levels,
+            "min_publish_interval_s": args.min_publish_interval_s,
+            "stream_tokens": args.stream_tokens,
+            "seconds": args.seconds,
+            "cpus": psutil.cpu_count(),
+        }
+    )
     with ExitStack() as stack:
         server = stack.enter_context(procs.nats_server())
         direct = _start_direct_engine(stack)
@@ -89,17 +100,22 @@ def _start_direct_engine(stack: ExitStack) -> _Direct:
     import sys
 
     port = procs.free_port()
-    proc = procs.spawn([sys.executable, "-m", "switchyard.bench.direct_engine", "--port", str(port)], env=procs.child_env())
+    proc = procs.spawn(
+        [sys.executable, "-m", "switchyard.bench.direct_engine", "--port", str(port)], env=procs.child_env()
+    )
     stack.callback(procs.stop, [proc])
     return _Direct(port)
 
 
-async def _measure(url: str, direct_url: str, nats_url: str, levels: list[int], args, results: Results,
-                   children: bench_stack.Stack) -> None:
+async def _measure(
+    url: str, direct_url: str, nats_url: str, levels: list[int], args, results: Results, children: bench_stack.Stack
+) -> None:
     results.rss_mib = {name: {"idle": _rss(p.pid)} for name, p in children.processes.items()}
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
-    async with httpx.AsyncClient(base_url=url + "/v1", timeout=60, limits=limits) as fabric, \
-            httpx.AsyncClient(base_url=direct_url + "/v1", timeout=60, limits=limits) as direct:
+    async with (
+        httpx.AsyncClient(base_url=url + "/v1", timeout=60, limits=limits) as fabric,
+        httpx.AsyncClient(base_url=direct_url + "/v1", timeout=60, limits=limits) as direct,
+    ):
         await _ttft(fabric, direct, nats_url, args.ttft_requests, results)
         for level in levels:
             sampler = _RssSampler(children.processes) if level == max(levels) else None
@@ -111,20 +127,21 @@ async def _measure(url: str, direct_url: str, nats_url: str, levels: list[int], 
             if sampler is not None:
                 for name, peak in sampler.peaks.items():
                     results.rss_mib[name]["loaded"] = peak
-            print(f"  {level:>4} streams: {row['tokens_per_s']:>9.0f} tokens/s "
-                  f"(engine alone {alone['tokens_per_s']:.0f})", flush=True)
+            print(
+                f"  {level:>4} streams: {row['tokens_per_s']:>9.0f} tokens/s "
+                f"(engine alone {alone['tokens_per_s']:.0f})",
+                flush=True,
+            )
     results.bare_pubsub_tokens_per_s = {
         "one_message_per_token": await _bare_pubsub(nats_url, tokens_per_message=1, seconds=args.seconds / 2),
-        "one_message_per_256_tokens": await _bare_pubsub(nats_url, tokens_per_message=256,
-                                                          seconds=args.seconds / 2),
+        "one_message_per_256_tokens": await _bare_pubsub(nats_url, tokens_per_message=256, seconds=args.seconds / 2),
     }
 
 
 # --- (a) time to first token ---------------------------------------------------------------------
 
 
-async def _ttft(fabric: httpx.AsyncClient, direct: httpx.AsyncClient, nats_url: str, n: int,
-                results: Results) -> None:
+async def _ttft(fabric: httpx.AsyncClient, direct: httpx.AsyncClient, nats_url: str, n: int, results: Results) -> None:
     for _ in range(10):  # warm the connections and code paths
         await _first_token_s(fabric)
         await _first_token_s(direct)
@@ -138,8 +155,11 @@ async def _ttft(fabric: httpx.AsyncClient, direct: httpx.AsyncClient, nats_url: 
         t[f"{name}_p50"], t[f"{name}_p99"] = _pct(samples, 50) * 1e3, _pct(samples, 99) * 1e3
         t[f"{name}_samples_ms"] = [x * 1e3 for x in samples]
     t["added_p50"] = t["fabric_p50"] - t["engine_alone_p50"]
-    print(f"  TTFT p50 {t['fabric_p50']:.2f} ms (engine alone {t['engine_alone_p50']:.2f} ms, "
-          f"bare NATS request/reply {t['nats_rr_p50']:.2f} ms)", flush=True)
+    print(
+        f"  TTFT p50 {t['fabric_p50']:.2f} ms (engine alone {t['engine_alone_p50']:.2f} ms, "
+        f"bare NATS request/reply {t['nats_rr_p50']:.2f} ms)",
+        flush=True,
+    )
 
 
 async def _first_token_s(client: httpx.AsyncClient) -> float:
@@ -161,6 +181,7 @@ async def _bare_request_reply(nats_url: str, n: int) -> list[float]:
     responder = await nats.connect(nats_url)
     requester = await nats.connect(nats_url)
     try:
+
         async def echo(msg):
             await msg.respond(msg.data)
 
@@ -181,8 +202,9 @@ async def _bare_request_reply(nats_url: str, n: int) -> list[float]:
 # --- (b) streamed tokens per second --------------------------------------------------------------
 
 
-async def _throughput(client: httpx.AsyncClient, streams: int, max_tokens: int, seconds: float,
-                      sampler: "_RssSampler | None") -> dict:
+async def _throughput(
+    client: httpx.AsyncClient, streams: int, max_tokens: int, seconds: float, sampler: _RssSampler | None
+) -> dict:
     tokens = 0
     requests = 0
     deadline = time.perf_counter() + seconds
@@ -203,16 +225,26 @@ async def _throughput(client: httpx.AsyncClient, streams: int, max_tokens: int, 
     elapsed = time.perf_counter() - started
     if sampler is not None:
         sampler.stop()
-    return {"streams": streams, "tokens": tokens, "requests": requests, "seconds": elapsed,
-            "tokens_per_s": tokens / elapsed}
+    return {
+        "streams": streams,
+        "tokens": tokens,
+        "requests": requests,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+    }
 
 
 async def _stream_tokens(client: httpx.AsyncClient, max_tokens: int) -> int:
     """Completion tokens of one streamed request, from its usage chunk. The stream is
     read as raw bytes (no line splitting): the client shares the cores with what it
     measures, so it does as little per token as it can."""
-    body = {"model": MODEL, "messages": PROMPT, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tail = b""
     async with client.stream("POST", "/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -233,8 +265,9 @@ async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -
     pub = await nats.connect(nats_url)
     sub_nc = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
     try:
-        sub = await sub_nc.subscribe("bench.tokens", pending_msgs_limit=1_000_000,
-                                     pending_bytes_limit=1024 * 1024 * 1024)
+        sub = await sub_nc.subscribe(
+            "bench.tokens", pending_msgs_limit=1_000_000, pending_bytes_limit=1024 * 1024 * 1024
+        )
         await sub_nc.flush()
         received = 0
         sent = 0
@@ -255,7 +288,7 @@ async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -
                 for _ in range(100):
                     await pub.publish("bench.tokens", payload)
                 sent += 100
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             await pub.flush()
             done.set()
             await pub.publish("bench.tokens", payload)
@@ -310,25 +343,33 @@ def _report(results: Results, out: Path) -> None:
     t = results.ttft_ms
     per_token = results.bare_pubsub_tokens_per_s["one_message_per_token"]
     batched = results.bare_pubsub_tokens_per_s["one_message_per_256_tokens"]
-    lines = ["", "== time to first token, zero-cost engine (ms) ==",
-             f"{'':<36}{'p50':>9}{'p99':>9}",
-             f"{'switchyard HTTP->NATS->P->D->SSE':<36}{t['fabric_p50']:>9.2f}{t['fabric_p99']:>9.2f}",
-             f"{'engine alone, HTTP/SSE':<36}{t['engine_alone_p50']:>9.2f}{t['engine_alone_p99']:>9.2f}",
-             f"{'bare nats-py request/reply':<36}{t['nats_rr_p50']:>9.2f}{t['nats_rr_p99']:>9.2f}",
-             f"{'added by switchyard (vs alone)':<36}{t['added_p50']:>9.2f}"
-             f"{t['fabric_p99'] - t['engine_alone_p99']:>9.2f}",
-             f"{'ratio switchyard / bare NATS r/r':<36}{t['fabric_p50'] / t['nats_rr_p50']:>9.1f}"
-             f"{t['fabric_p99'] / t['nats_rr_p99']:>9.1f}",
-             "", "== streamed tokens/s through the HTTP API ==",
-             f"{'streams':>8}{'switchyard':>12}{'alone':>10}{'kept':>8}{'vs pub/sub 1/token':>20}"
-             f"{'vs pub/sub 256/msg':>20}"]
+    lines = [
+        "",
+        "== time to first token, zero-cost engine (ms) ==",
+        f"{'':<36}{'p50':>9}{'p99':>9}",
+        f"{'switchyard HTTP->NATS->P->D->SSE':<36}{t['fabric_p50']:>9.2f}{t['fabric_p99']:>9.2f}",
+        f"{'engine alone, HTTP/SSE':<36}{t['engine_alone_p50']:>9.2f}{t['engine_alone_p99']:>9.2f}",
+        f"{'bare nats-py request/reply':<36}{t['nats_rr_p50']:>9.2f}{t['nats_rr_p99']:>9.2f}",
+        f"{'added by switchyard (vs alone)':<36}{t['added_p50']:>9.2f}{t['fabric_p99'] - t['engine_alone_p99']:>9.2f}",
+        f"{'ratio switchyard / bare NATS r/r':<36}{t['fabric_p50'] / t['nats_rr_p50']:>9.1f}"
+        f"{t['fabric_p99'] / t['nats_rr_p99']:>9.1f}",
+        "",
+        "== streamed tokens/s through the HTTP API ==",
+        f"{'streams':>8}{'switchyard':>12}{'alone':>10}{'kept':>8}{'vs pub/sub 1/token':>20}{'vs pub/sub 256/msg':>20}",
+    ]
     for row in results.throughput:
-        lines.append(f"{row['streams']:>8}{row['tokens_per_s']:>12.0f}{row['engine_alone_tokens_per_s']:>10.0f}"
-                     f"{row['kept_of_engine_alone']:>8.0%}{row['tokens_per_s'] / per_token:>20.2f}"
-                     f"{row['tokens_per_s'] / batched:>20.3f}")
-    lines += [f"bare nats-py pub/sub, one message per token:   {per_token:>10.0f} tokens/s",
-              f"bare nats-py pub/sub, one message per 256:     {batched:>10.0f} tokens/s",
-              "", "== resident memory (MiB) ==", f"{'process':<14}{'idle':>8}{'loaded':>8}"]
+        lines.append(
+            f"{row['streams']:>8}{row['tokens_per_s']:>12.0f}{row['engine_alone_tokens_per_s']:>10.0f}"
+            f"{row['kept_of_engine_alone']:>8.0%}{row['tokens_per_s'] / per_token:>20.2f}"
+            f"{row['tokens_per_s'] / batched:>20.3f}"
+        )
+    lines += [
+        f"bare nats-py pub/sub, one message per token:   {per_token:>10.0f} tokens/s",
+        f"bare nats-py pub/sub, one message per 256:     {batched:>10.0f} tokens/s",
+        "",
+        "== resident memory (MiB) ==",
+        f"{'process':<14}{'idle':>8}{'loaded':>8}",
+    ]
     for name, rss in results.rss_mib.items():
         lines.append(f"{name:<14}{rss['idle']:>8.1f}{rss.get('loaded', float('nan')):>8.1f}")
     print("\n".join(lines), flush=True)
@@ -339,33 +380,55 @@ def _report(results: Results, out: Path) -> None:
 
 def _plots(results: Results, out: Path) -> None:
     fig, ax = plots.figure()
-    for key, label in (("fabric_samples_ms", "switchyard TTFT (zero-cost engine)"),
-                       ("engine_alone_samples_ms", "engine alone, HTTP/SSE"),
-                       ("nats_rr_samples_ms", "bare nats-py request/reply")):
+    for key, label in (
+        ("fabric_samples_ms", "switchyard TTFT (zero-cost engine)"),
+        ("engine_alone_samples_ms", "engine alone, HTTP/SSE"),
+        ("nats_rr_samples_ms", "bare nats-py request/reply"),
+    ):
         plots.cdf(ax, results.ttft_ms[key], label)
-    plots.save(fig, ax, out / "ttft.png", title="Time to first token added by the fabric",
-               xlabel="milliseconds", ylabel="fraction of requests", log_x=True)
+    plots.save(
+        fig,
+        ax,
+        out / "ttft.png",
+        title="Time to first token added by the fabric",
+        xlabel="milliseconds",
+        ylabel="fraction of requests",
+        log_x=True,
+    )
 
     fig, ax = plots.figure()
     xs = list(range(len(results.throughput)))
-    ax.bar([x - 0.2 for x in xs], [r["tokens_per_s"] for r in results.throughput], 0.4,
-           label="switchyard HTTP/SSE")
-    ax.bar([x + 0.2 for x in xs], [r["engine_alone_tokens_per_s"] for r in results.throughput], 0.4,
-           label="engine alone, HTTP/SSE")
+    ax.bar([x - 0.2 for x in xs], [r["tokens_per_s"] for r in results.throughput], 0.4, label="switchyard HTTP/SSE")
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [r["engine_alone_tokens_per_s"] for r in results.throughput],
+        0.4,
+        label="engine alone, HTTP/SSE",
+    )
     ax.set_xticks(xs, [str(r["streams"]) for r in results.throughput])
     for key, style in (("one_message_per_token", "--"), ("one_message_per_256_tokens", ":")):
-        ax.axhline(results.bare_pubsub_tokens_per_s[key], linestyle=style, color="k",
-                   label=f"bare nats-py, {key.replace('_', ' ')}")
-    plots.save(fig, ax, out / "throughput.png", title="Streamed tokens per second", xlabel="concurrent streams",
-               ylabel="tokens/s", log_y=True)
+        ax.axhline(
+            results.bare_pubsub_tokens_per_s[key],
+            linestyle=style,
+            color="k",
+            label=f"bare nats-py, {key.replace('_', ' ')}",
+        )
+    plots.save(
+        fig,
+        ax,
+        out / "throughput.png",
+        title="Streamed tokens per second",
+        xlabel="concurrent streams",
+        ylabel="tokens/s",
+        log_y=True,
+    )
 
     fig, ax = plots.figure()
     names = list(results.rss_mib)
     width = 0.4
     xs = range(len(names))
     ax.bar([x - width / 2 for x in xs], [results.rss_mib[n]["idle"] for n in names], width, label="idle")
-    ax.bar([x + width / 2 for x in xs], [results.rss_mib[n].get("loaded", 0) for n in names], width,
-           label="under load")
+    ax.bar([x + width / 2 for x in xs], [results.rss_mib[n].get("loaded", 0) for n in names], width, label="under load")
     ax.set_xticks(list(xs), names, rotation=20)
     plots.save(fig, ax, out / "memory.png", title="Memory per process", xlabel="process", ylabel="MiB resident")
 

@@ -24,8 +24,9 @@ def cdf(ax, samples: Sequence[float], label: str, style: str = "-") -> None:
         ax.plot(xs, [i / len(xs) for i in range(1, len(xs) + 1)], style, label=label)
 
 
-def save(fig, ax, path: Path, *, title: str, xlabel: str, ylabel: str, log_x: bool = False,
-         log_y: bool = False) -> None:
+def save(
+    fig, ax, path: Path, *, title: str, xlabel: str, ylabel: str, log_x: bool = False, log_y: bool = False
+) -> None:
     import matplotlib.pyplot as plt
 
     if log_x:

@@ -52,8 +52,13 @@ class ReplaySettings:
 
     def scheduler_config(self) -> SchedulerConfig:
         """The core's config. Fields the core does not have yet are left out (and noted)."""
-        wanted = {"policy": self.policy, "max_queued_tokens": self.max_queued_tokens, "worker_expiry_s": NEVER,
-                  "local_prefill_max_tokens": self.local_prefill_max_tokens, "seed": self.seed}
+        wanted = {
+            "policy": self.policy,
+            "max_queued_tokens": self.max_queued_tokens,
+            "worker_expiry_s": NEVER,
+            "local_prefill_max_tokens": self.local_prefill_max_tokens,
+            "seed": self.seed,
+        }
         known = set(SchedulerConfig.__struct_fields__)
         return SchedulerConfig(**{k: v for k, v in wanted.items() if k in known})
 
@@ -97,15 +102,21 @@ class ReplayResult:
 
 
 class Replay:
-    def __init__(self, requests: list[TraceRequest], settings: ReplaySettings,
-                 progress: Callable[[int, int, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        requests: list[TraceRequest],
+        settings: ReplaySettings,
+        progress: Callable[[int, int, float], None] | None = None,
+    ) -> None:
         self.requests, self.settings = requests, settings
         self.core = SchedulerCore(settings.scheduler_config())
         self.loop = EventLoop()
         self.timing = CoreTiming()
         self.outcomes = Outcomes.empty(len(requests))
-        self.workers = {wid: SimWorker(wid, role, settings.cost, settings.shape.cache_blocks, self.loop, self)
-                        for wid, role in settings.shape.roles.items()}
+        self.workers = {
+            wid: SimWorker(wid, role, settings.cost, settings.shape.cache_blocks, self.loop, self)
+            for wid, role in settings.shape.roles.items()
+        }
         self._salt = tenant_salt(TENANT)
         self._progress = progress
         self._arrived = 0
@@ -120,9 +131,18 @@ class Replay:
         self.loop.at(0.0, self._tick, TICK)
         self.loop.run()
         index = self.core.index
-        return ReplayResult(self.settings, self.requests, self.outcomes, self.timing, self.workers,
-                            index.entries, index.approx_bytes(), self.loop.now, self.loop.processed,
-                            time.perf_counter() - started)
+        return ReplayResult(
+            self.settings,
+            self.requests,
+            self.outcomes,
+            self.timing,
+            self.workers,
+            index.entries,
+            index.approx_bytes(),
+            self.loop.now,
+            self.loop.processed,
+            time.perf_counter() - started,
+        )
 
     # --- the core, timed -------------------------------------------------------------------
 
@@ -143,18 +163,33 @@ class Replay:
             # prefill and colocated workers: a budget of uncached tokens in flight; decode
             # workers (and the KV side of colocated ones): the KV tokens they can hold
             budget = cost.kv_capacity_tokens if worker.role == "decode" else self.settings.shape.prefill_token_budget
-            report = LoadReport(worker_id=wid, role=worker.role, seq=1, engine="sim", model=MODEL,
-                                block_size=TRACE_BLOCK_SIZE, token_budget=budget, inflight_tokens=0, running=0,
-                                interval_s=NEVER, kv_capacity_tokens=cost.kv_capacity_tokens)
+            report = LoadReport(
+                worker_id=wid,
+                role=worker.role,
+                seq=1,
+                engine="sim",
+                model=MODEL,
+                block_size=TRACE_BLOCK_SIZE,
+                token_budget=budget,
+                inflight_tokens=0,
+                running=0,
+                interval_s=NEVER,
+                kv_capacity_tokens=cost.kv_capacity_tokens,
+            )
             self._carry_out(self._call(self.core.on_event, report, 0.0), 0.0)
 
     def _arrive(self, i: int, now: float) -> None:
         request = self.requests[i]
-        spec = RequestSpec(request_id=str(i), ingress_id="bench", model=MODEL,
-                           prompt_tokens=[0] * request.input_tokens, block_size=TRACE_BLOCK_SIZE,
-                           block_keys=block_keys(request.block_ids, self._salt),
-                           sampling=SamplingParams(max_tokens=request.output_tokens, temperature=0.0),
-                           tenant=TENANT)
+        spec = RequestSpec(
+            request_id=str(i),
+            ingress_id="bench",
+            model=MODEL,
+            prompt_tokens=[0] * request.input_tokens,
+            block_size=TRACE_BLOCK_SIZE,
+            block_keys=block_keys(request.block_ids, self._salt),
+            sampling=SamplingParams(max_tokens=request.output_tokens, temperature=0.0),
+            tenant=TENANT,
+        )
         reply, actions = self._call(self.core.submit, spec, now)
         if isinstance(reply, Rejected):
             self.outcomes.status[i] = "rejected"
@@ -217,8 +252,9 @@ class Replay:
             self._outstanding -= 1
 
 
-def replay(requests: list[TraceRequest], settings: ReplaySettings,
-           progress: Callable[[int, int, float], None] | None = None) -> ReplayResult:
+def replay(
+    requests: list[TraceRequest], settings: ReplaySettings, progress: Callable[[int, int, float], None] | None = None
+) -> ReplayResult:
     return Replay(requests, settings, progress).run()
 
 

@@ -43,24 +43,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated prefill placement policies")
     p.add_argument("--prefill", type=_positive_int, default=4, help="prefill workers (model instances)")
     p.add_argument("--decode", type=_positive_int, default=2, help="decode workers")
-    p.add_argument("--colocated", action="store_true",
-                   help="prefill+decode workers of role 'both' instead (no disaggregation)")
+    p.add_argument(
+        "--colocated", action="store_true", help="prefill+decode workers of role 'both' instead (no disaggregation)"
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/sim"), help="results folder")
     p.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N requests")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply arrival times (below 1: the same trace, faster, more load)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="recorded, and passed to the core if its config has a seed (nothing here draws at random)")
-    p.add_argument("--cache-blocks", type=int, default=CostModel().kv_capacity_tokens // 512,
-                   help="prefix cache per worker, in 512-token blocks (default: its HBM KV capacity)")
-    p.add_argument("--prefill-token-budget", type=_positive_int, default=65_536,
-                   help="uncached tokens a prefill worker may hold in flight (its LoadReport token_budget)")
-    p.add_argument("--chunk-tokens", type=_positive_int, default=CostModel().chunk_tokens,
-                   help="tokens per engine iteration (vLLM max_num_batched_tokens)")
-    p.add_argument("--max-queued-tokens", type=_positive_int, default=SchedulerConfig().max_queued_tokens,
-                   help="the core's admission limit (429 past it)")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                   help="conditional disaggregation: prefill on the decode worker up to this many uncached tokens")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply arrival times (below 1: the same trace, faster, more load)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="recorded, and passed to the core if its config has a seed (nothing here draws at random)",
+    )
+    p.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=CostModel().kv_capacity_tokens // 512,
+        help="prefix cache per worker, in 512-token blocks (default: its HBM KV capacity)",
+    )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=_positive_int,
+        default=65_536,
+        help="uncached tokens a prefill worker may hold in flight (its LoadReport token_budget)",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=_positive_int,
+        default=CostModel().chunk_tokens,
+        help="tokens per engine iteration (vLLM max_num_batched_tokens)",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=_positive_int,
+        default=SchedulerConfig().max_queued_tokens,
+        help="the core's admission limit (429 past it)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="conditional disaggregation: prefill on the decode worker up to this many uncached tokens",
+    )
     p.add_argument("--ttft-slo-s", type=float, default=2.0, help="goodput: time to first token at most this")
     p.add_argument("--tpot-slo-s", type=float, default=0.05, help="goodput: time per output token at most this")
 
@@ -84,19 +113,30 @@ def run(args: argparse.Namespace) -> int:
     # What caches of the prefill-capable workers' total size could hold at best: one LRU.
     prefill_capable = args.prefill + args.decode if args.colocated else args.prefill
     fleet_bound = lru_hit_ratio(requests, prefill_capable * args.cache_blocks)
-    print(f"{args.trace.name}: {len(requests)} requests over {_span(requests, args.time_scale):.0f} s "
-          f"(read in {time.perf_counter() - loaded:.1f} s), hit ratio bound {bound:.3f} "
-          f"(one LRU of the fleet's {prefill_capable * args.cache_blocks} prefill cache blocks: {fleet_bound:.3f}); "
-          f"{mode} fleet {_describe(shape)}", flush=True)
+    print(
+        f"{args.trace.name}: {len(requests)} requests over {_span(requests, args.time_scale):.0f} s "
+        f"(read in {time.perf_counter() - loaded:.1f} s), hit ratio bound {bound:.3f} "
+        f"(one LRU of the fleet's {prefill_capable * args.cache_blocks} prefill cache blocks: {fleet_bound:.3f}); "
+        f"{mode} fleet {_describe(shape)}",
+        flush=True,
+    )
     cost = CostModel(chunk_tokens=args.chunk_tokens)
     results, timings = [], []
     for policy in policies:
-        settings = ReplaySettings(policy=policy, shape=shape, cost=cost, max_queued_tokens=args.max_queued_tokens,
-                                  local_prefill_max_tokens=args.local_prefill_max_tokens, seed=args.seed,
-                                  time_scale=args.time_scale)
+        settings = ReplaySettings(
+            policy=policy,
+            shape=shape,
+            cost=cost,
+            max_queued_tokens=args.max_queued_tokens,
+            local_prefill_max_tokens=args.local_prefill_max_tokens,
+            seed=args.seed,
+            time_scale=args.time_scale,
+        )
         result = replay(requests, settings, _progress_printer(policy))
-        results.append(summarize(result, bound, mode, args.ttft_slo_s, args.tpot_slo_s)
-                       | {"hit_ratio_bound_fleet_cache": fleet_bound})
+        results.append(
+            summarize(result, bound, mode, args.ttft_slo_s, args.tpot_slo_s)
+            | {"hit_ratio_bound_fleet_cache": fleet_bound}
+        )
         timings.append(timing_of(result))
         print(f"  {policy}: done in {result.wall_s:.1f} s wall, {result.events} events", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -105,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
     (args.out / "timing.json").write_text(json.dumps(timings, indent=2) + "\n")
     print(table(results, timings), flush=True)
     plot_cdfs(results, args.out)
-    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'timing.json'}, {args.out / 'ttft_cdf.png'}, "
-          f"{args.out / 'tpot_cdf.png'}")
+    print(
+        f"\nwrote {args.out / 'results.json'}, {args.out / 'timing.json'}, {args.out / 'ttft_cdf.png'}, "
+        f"{args.out / 'tpot_cdf.png'}"
+    )
     return 0
 
 
@@ -164,8 +206,9 @@ def summarize(result: ReplayResult, bound: float, mode: str, ttft_slo_s: float, 
         for p in (50, 90, 99):
             summary[f"{name}_p{p}_s"] = percentile(values, p)
         summary[f"{name}_mean_s"] = sum(values) / len(values) if values else None
-    busy = {w.worker_id: w.stats.busy_s / result.makespan_s if result.makespan_s else 0.0
-            for w in result.workers.values()}
+    busy = {
+        w.worker_id: w.stats.busy_s / result.makespan_s if result.makespan_s else 0.0 for w in result.workers.values()
+    }
     summary |= {
         "goodput_rps": good / span,
         "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s},
@@ -187,12 +230,20 @@ def summarize(result: ReplayResult, bound: float, mode: str, ttft_slo_s: float, 
 
 def timing_of(result: ReplayResult) -> dict:
     t = result.timing
-    return {"policy": result.settings.policy, "wall_s": result.wall_s, "events": result.events,
-            "core_wall_s": t.wall_s, "core_calls": t.calls, "decisions": t.decisions,
-            "decisions_per_s": t.decisions / t.wall_s if t.wall_s else None,
-            "us_per_core_call": 1e6 * t.wall_s / t.calls if t.calls else None,
-            "core_by_method": {name: {"calls": int(calls), "wall_s": wall, "us_per_call": 1e6 * wall / calls}
-                               for name, (calls, wall) in sorted(t.by_method.items())}}
+    return {
+        "policy": result.settings.policy,
+        "wall_s": result.wall_s,
+        "events": result.events,
+        "core_wall_s": t.wall_s,
+        "core_calls": t.calls,
+        "decisions": t.decisions,
+        "decisions_per_s": t.decisions / t.wall_s if t.wall_s else None,
+        "us_per_core_call": 1e6 * t.wall_s / t.calls if t.calls else None,
+        "core_by_method": {
+            name: {"calls": int(calls), "wall_s": wall, "us_per_call": 1e6 * wall / calls}
+            for name, (calls, wall) in sorted(t.by_method.items())
+        },
+    }
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -208,11 +259,17 @@ def percentile(values: list[float], p: float) -> float | None:
 
 def _fleet_record(settings: ReplaySettings) -> dict:
     shape, cost = settings.shape, settings.cost
-    return {"roles": dict(sorted(_count_roles(shape).items())), "cache_blocks": shape.cache_blocks,
-            "prefill_token_budget": shape.prefill_token_budget, "kv_capacity_tokens": cost.kv_capacity_tokens,
-            "chunk_tokens": cost.chunk_tokens, "max_queued_tokens": settings.max_queued_tokens,
-            "local_prefill_max_tokens": settings.local_prefill_max_tokens, "time_scale": settings.time_scale,
-            "seed": settings.seed}
+    return {
+        "roles": dict(sorted(_count_roles(shape).items())),
+        "cache_blocks": shape.cache_blocks,
+        "prefill_token_budget": shape.prefill_token_budget,
+        "kv_capacity_tokens": cost.kv_capacity_tokens,
+        "chunk_tokens": cost.chunk_tokens,
+        "max_queued_tokens": settings.max_queued_tokens,
+        "local_prefill_max_tokens": settings.local_prefill_max_tokens,
+        "time_scale": settings.time_scale,
+        "seed": settings.seed,
+    }
 
 
 def _count_roles(shape: FleetShape) -> dict[str, int]:
@@ -239,8 +296,11 @@ def _progress_printer(policy: str):
         tenth = done * 10 // total
         if tenth > marks.get("last", 0):
             marks["last"] = tenth
-            print(f"  {policy}: {tenth * 10:>3}% of the trace arrived ({done}/{total}, "
-                  f"{now:.0f} s virtual, {time.perf_counter() - started:.1f} s wall)", flush=True)
+            print(
+                f"  {policy}: {tenth * 10:>3}% of the trace arrived ({done}/{total}, "
+                f"{now:.0f} s virtual, {time.perf_counter() - started:.1f} s wall)",
+                flush=True,
+            )
 
     return progress
 
@@ -249,18 +309,26 @@ def table(results: list[dict], timings: list[dict]) -> str:
     def ms(x: float | None) -> str:
         return f"{x * 1e3:>8.0f}" if x is not None else f"{'-':>8}"
 
-    head = (f"{'policy':<15}{'mode':<14}{'hit':>6}{'bound':>6}{'fleet':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
-            f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}{'goodput':>8}{'rej':>6}{'wall s':>7}{'dec/s':>8}{'B/blk':>6}")
-    lines = ["", "times in ms; goodput in requests/s meeting the SLOs; dec/s = core decisions per wall second;",
-             "bound: infinite cache; fleet: one LRU as large as all prefill caches together", head]
+    head = (
+        f"{'policy':<15}{'mode':<14}{'hit':>6}{'bound':>6}{'fleet':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+        f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}{'goodput':>8}{'rej':>6}{'wall s':>7}{'dec/s':>8}{'B/blk':>6}"
+    )
+    lines = [
+        "",
+        "times in ms; goodput in requests/s meeting the SLOs; dec/s = core decisions per wall second;",
+        "bound: infinite cache; fleet: one LRU as large as all prefill caches together",
+        head,
+    ]
     for r, t in zip(results, timings):
         per_block = f"{r['index_bytes_per_block']:>6.0f}" if r["index_bytes_per_block"] else f"{'-':>6}"
         rate = f"{t['decisions_per_s']:>8.0f}" if t["decisions_per_s"] else f"{'-':>8}"
-        lines.append(f"{r['policy']:<15}{r['mode']:<14}{r['cache_hit_ratio']:>6.3f}{r['hit_ratio_bound']:>6.3f}"
-                     f"{r.get('hit_ratio_bound_fleet_cache', float('nan')):>6.3f}"
-                     f"{ms(r['ttft_p50_s']):>9}{ms(r['ttft_p90_s'])}{ms(r['ttft_p99_s'])}"
-                     f"{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p90_s'])}{ms(r['tpot_p99_s'])}"
-                     f"{r['goodput_rps']:>8.2f}{r['rejected']:>6}{t['wall_s']:>7.1f}{rate}{per_block}")
+        lines.append(
+            f"{r['policy']:<15}{r['mode']:<14}{r['cache_hit_ratio']:>6.3f}{r['hit_ratio_bound']:>6.3f}"
+            f"{r.get('hit_ratio_bound_fleet_cache', float('nan')):>6.3f}"
+            f"{ms(r['ttft_p50_s']):>9}{ms(r['ttft_p90_s'])}{ms(r['ttft_p99_s'])}"
+            f"{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p90_s'])}{ms(r['tpot_p99_s'])}"
+            f"{r['goodput_rps']:>8.2f}{r['rejected']:>6}{t['wall_s']:>7.1f}{rate}{per_block}"
+        )
     return "\n".join(lines)
 
 
@@ -271,8 +339,15 @@ def plot_cdfs(results: list[dict], out: Path) -> None:
             plots.cdf(ax, r[f"{key}_samples_s"], f"{r['policy']} ({r['mode']})")
         if results:
             ax.axvline(results[0]["slo"][slo], color="k", linestyle=":", label="SLO")
-        plots.save(fig, ax, out / f"{key}_cdf.png", title=f"{title}, per policy (simulated fleet)",
-                   xlabel="seconds", ylabel="fraction of completed requests", log_x=True)
+        plots.save(
+            fig,
+            ax,
+            out / f"{key}_cdf.png",
+            title=f"{title}, per policy (simulated fleet)",
+            xlabel="seconds",
+            ylabel="fraction of completed requests",
+            log_x=True,
+        )
 
 
 __all__ = ["add_arguments", "parse_policies", "percentile", "run", "summarize", "table"]

@@ -28,15 +28,28 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
 
-def start(stack: ExitStack, server: procs.NatsServer, *up_flags: str, prefill: int = 1, decode: int = 1,
-          timeout_s: float = 60) -> Stack:
+def start(
+    stack: ExitStack, server: procs.NatsServer, *up_flags: str, prefill: int = 1, decode: int = 1, timeout_s: float = 60
+) -> Stack:
     """Every service of ``switchyard up <up_flags>`` on ``server``, healthy when it returns."""
     from switchyard.cli import build_parser
     from switchyard.up import child_commands
 
     port = procs.free_port()
-    up = build_parser().parse_args(["up", "--port", str(port), "--log-level", "warning", "--prefill", str(prefill),
-                                    "--decode", str(decode), *up_flags])
+    up = build_parser().parse_args(
+        [
+            "up",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--prefill",
+            str(prefill),
+            "--decode",
+            str(decode),
+            *up_flags,
+        ]
+    )
     processes = {name: procs.spawn(command, env=procs.child_env()) for name, command in child_commands(up, server.url)}
     stack.callback(procs.stop, list(reversed(processes.values())))
     started = Stack(port, processes | {"nats-server": server.process})

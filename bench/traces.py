@@ -99,8 +99,10 @@ def _read_mooncake(path: Path) -> Iterator[TraceRequest]:
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise TraceError(f"{where}: hash_ids must be a list of integers")
             if len(ids) != blocks_for(inp):
-                raise TraceError(f"{where}: {len(ids)} hash_ids for {inp} input tokens "
-                                 f"(want one per {TRACE_BLOCK_SIZE}-token block: {blocks_for(inp)})")
+                raise TraceError(
+                    f"{where}: {len(ids)} hash_ids for {inp} input tokens "
+                    f"(want one per {TRACE_BLOCK_SIZE}-token block: {blocks_for(inp)})"
+                )
             yield TraceRequest(timestamp / 1000.0, inp, out, tuple(ids))
 
 
@@ -209,5 +211,16 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-__all__ = ["TRACE_BLOCK_SIZE", "TraceError", "TraceFormat", "TraceRequest", "block_keys", "blocks_for",
-           "detect_format", "hit_ratio_bound", "lru_hit_ratio", "read_trace", "tenant_salt"]
+__all__ = [
+    "TRACE_BLOCK_SIZE",
+    "TraceError",
+    "TraceFormat",
+    "TraceRequest",
+    "block_keys",
+    "blocks_for",
+    "detect_format",
+    "hit_ratio_bound",
+    "lru_hit_ratio",
+    "read_trace",
+    "tenant_salt",
+]

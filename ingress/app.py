@@ -74,8 +74,15 @@ _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 class Ingress:
-    def __init__(self, config: IngressConfig, tokenizer: ModelTokenizer, nc, router: StreamRouter,
-                 metrics: ServingMetrics, bus_stats: BusStats) -> None:
+    def __init__(
+        self,
+        config: IngressConfig,
+        tokenizer: ModelTokenizer,
+        nc,
+        router: StreamRouter,
+        metrics: ServingMetrics,
+        bus_stats: BusStats,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model = config.served_model_name or tokenizer.info.name
@@ -86,13 +93,16 @@ class Ingress:
         self.bus_stats = bus_stats
         self.ingress_id = config.ingress_id
         self._gen_ctx = GenerationContext(nc=nc, router=router, metrics=metrics)
-        self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics_text, methods=["GET"]),
-        ], exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_text, methods=["GET"]),
+            ],
+            exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        )
 
     # --- endpoints --------------------------------------------------------------------------
 
@@ -113,18 +123,23 @@ class Ingress:
         if body.echo:
             raise InvalidRequest("`echo` is not supported.", param="echo")
         prompt = self._completion_prompt(body.prompt)
-        return await self._generate(request, "completion", body, prompt,
-                                    self._max_tokens(len(prompt), body.max_tokens, "max_tokens"))
+        return await self._generate(
+            request, "completion", body, prompt, self._max_tokens(len(prompt), body.max_tokens, "max_tokens")
+        )
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "switchyard",
-                "max_model_len": self.tokenizer.info.max_context}
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "switchyard",
+            "max_model_len": self.tokenizer.info.max_context,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def _cluster_status(self) -> ClusterStatus | None:
         try:
-            reply = await self.nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(StatusRequest()),
-                                          timeout=1.0)
+            reply = await self.nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(StatusRequest()), timeout=1.0)
         except (NoRespondersError, NatsTimeout):
             return None
         status = codec.SCHEDULER_REPLY.decode(reply.data)
@@ -136,9 +151,14 @@ class Ingress:
         if status is None:
             return JSONResponse({"status": "unavailable", "reason": "no scheduler answers"}, 503)
         roles = [w.role for w in status.workers]
-        body = {"status": "ok", "model": self.model, "prefill_workers": roles.count("prefill"),
-                "decode_workers": roles.count("decode"), "queued_requests": status.queued_requests,
-                "in_flight_requests": len(self.router)}
+        body = {
+            "status": "ok",
+            "model": self.model,
+            "prefill_workers": roles.count("prefill"),
+            "decode_workers": roles.count("decode"),
+            "queued_requests": status.queued_requests,
+            "in_flight_requests": len(self.router),
+        }
         if not (body["prefill_workers"] and body["decode_workers"]):
             body["status"] = "unavailable"
             return JSONResponse(body, 503)
@@ -180,8 +200,10 @@ class Ingress:
                 raise InvalidRequest(f"Token ids must be a non-empty list in [0, {vocab}).", param="prompt")
             return list(prompt)
         if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise InvalidRequest("`prompt` must be a string, a list of one string, or a list of token ids; "
-                                 "one prompt per request.", param="prompt")
+            raise InvalidRequest(
+                "`prompt` must be a string, a list of one string, or a list of token ids; one prompt per request.",
+                param="prompt",
+            )
         return self.tokenizer.encode(prompt[0])
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
@@ -190,7 +212,8 @@ class Ingress:
             raise InvalidRequest("The prompt is empty.", param="prompt")
         if prompt_len >= context:
             raise ContextLengthExceeded(
-                f"This model's maximum context length is {context} tokens; the prompt has {prompt_len}.")
+                f"This model's maximum context length is {context} tokens; the prompt has {prompt_len}."
+            )
         if requested is None:
             return min(self.config.default_max_tokens, context - prompt_len)
         if requested < 1:
@@ -198,7 +221,9 @@ class Ingress:
         if prompt_len + requested > context:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {context} tokens; you asked for {prompt_len} "
-                f"prompt tokens plus {requested} completion tokens.", param=param)
+                f"prompt tokens plus {requested} completion tokens.",
+                param=param,
+            )
         return requested
 
     # --- generation ----------------------------------------------------------------------------
@@ -207,9 +232,16 @@ class Ingress:
         tenant = request.headers.get(TENANT_HEADER, "default")
         if not _TENANT_RE.match(tenant):
             raise InvalidRequest(f"Header {TENANT_HEADER} must match {_TENANT_RE.pattern}.")
-        spec = self._spec(kind, body, prompt, max_tokens, tenant, request.headers.get(SESSION_HEADER),
-                          _priority(request.headers.get(PRIORITY_HEADER)),
-                          _deadline(request.headers.get(DEADLINE_HEADER)))
+        spec = self._spec(
+            kind,
+            body,
+            prompt,
+            max_tokens,
+            tenant,
+            request.headers.get(SESSION_HEADER),
+            _priority(request.headers.get(PRIORITY_HEADER)),
+            _deadline(request.headers.get(DEADLINE_HEADER)),
+        )
         stops = stop_strings(body.stop)
         span = tracing.tracer().start_span(f"POST {request.url.path}", kind=SpanKind.SERVER)
         span.set_attribute("switchyard.request_id", spec.request_id)
@@ -224,28 +256,58 @@ class Ingress:
             raise
         self.metrics.in_flight.inc()
         include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        return Generation(ctx=self._gen_ctx, kind=kind, spec=spec, model=self.model, stream=body.stream,
-                          include_usage=include_usage,
-                          assembler=TextAssembler(self.tokenizer.decode_stream(), stops),
-                          inbox=inbox, span=span, arrived=time.monotonic())
+        return Generation(
+            ctx=self._gen_ctx,
+            kind=kind,
+            spec=spec,
+            model=self.model,
+            stream=body.stream,
+            include_usage=include_usage,
+            assembler=TextAssembler(self.tokenizer.decode_stream(), stops),
+            inbox=inbox,
+            span=span,
+            arrived=time.monotonic(),
+        )
 
-    def _spec(self, kind: Kind, body, prompt: list[int], max_tokens: int, tenant: str,
-              session: str | None, priority: int, deadline_s: float | None) -> RequestSpec:
+    def _spec(
+        self,
+        kind: Kind,
+        body,
+        prompt: list[int],
+        max_tokens: int,
+        tenant: str,
+        session: str | None,
+        priority: int,
+        deadline_s: float | None,
+    ) -> RequestSpec:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        sampling = SamplingParams(max_tokens=max_tokens,
-                                  temperature=1.0 if body.temperature is None else body.temperature,
-                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        )
         keys = self.key_scheme.keys(prompt, self.config.block_size, tenant, self.model)
-        return RequestSpec(request_id=f"{prefix}-{uuid.uuid4().hex}", ingress_id=self.ingress_id,
-                           model=self.model, prompt_tokens=prompt, block_size=self.config.block_size,
-                           block_keys=keys, sampling=sampling, tenant=tenant, session=session,
-                           priority=priority, deadline_s=deadline_s)
+        return RequestSpec(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            ingress_id=self.ingress_id,
+            model=self.model,
+            prompt_tokens=prompt,
+            block_size=self.config.block_size,
+            block_keys=keys,
+            sampling=sampling,
+            tenant=tenant,
+            session=session,
+            priority=priority,
+            deadline_s=deadline_s,
+        )
 
     async def _submit(self, spec: RequestSpec, ctx) -> None:
         payload = codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec))
         try:
-            msg = await self.nc.request(subjects.SUBMIT, payload, timeout=self.config.submit_timeout_s,
-                                        headers=tracing.inject(ctx))
+            msg = await self.nc.request(
+                subjects.SUBMIT, payload, timeout=self.config.submit_timeout_s, headers=tracing.inject(ctx)
+            )
         except NoRespondersError:
             raise Unavailable("No scheduler is running.", retry_after_s=1.0) from None
         except NatsTimeout:
@@ -286,8 +348,7 @@ def _deadline(value: str | None) -> float | None:
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return Response(exc.encoded(), status_code=exc.status, headers=exc.headers(),
-                    media_type="application/json")
+    return Response(exc.encoded(), status_code=exc.status, headers=exc.headers(), media_type="application/json")
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -1,14 +1,14 @@
 """The ingress's error tree: each one knows its HTTP status and OpenAI error body.
 
-    ApiError                      status, type, code, param, message
-    ├── InvalidRequest            400 invalid_request_error
-    │   └── ContextLengthExceeded 400 code=context_length_exceeded
-    ├── ModelNotFound             404 code=model_not_found
-    ├── RequestTooLarge           413
-    ├── RateLimited               429 with Retry-After
-    ├── Unavailable               503 (no scheduler / no workers)
-    └── GenerationFailed          502 (a worker was lost mid-request)
-        └── DeadlineExceeded      504 (queued past its x-switchyard-deadline-s)
+ApiError                      status, type, code, param, message
+├── InvalidRequest            400 invalid_request_error
+│   └── ContextLengthExceeded 400 code=context_length_exceeded
+├── ModelNotFound             404 code=model_not_found
+├── RequestTooLarge           413
+├── RateLimited               429 with Retry-After
+├── Unavailable               503 (no scheduler / no workers)
+└── GenerationFailed          502 (a worker was lost mid-request)
+    └── DeadlineExceeded      504 (queued past its x-switchyard-deadline-s)
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ class ApiError(Exception):
     status = 500
     type = "server_error"
 
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, param: str | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
@@ -31,8 +32,7 @@ class ApiError(Exception):
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def encoded(self) -> bytes:
         return msgspec.json.encode(self.body())

@@ -27,8 +27,11 @@ from switchyard.schemas import Cancel, RequestSpec, codec, subjects
 log = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -129,12 +132,22 @@ class Generation:
 
     def _body(self, text: str) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": self.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": self.finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
-        return {"id": self.spec.request_id, "object": _OBJECT[self.kind], "created": self.created,
-                "model": self.model, "choices": [choice], "usage": self.usage()}
+        return {
+            "id": self.spec.request_id,
+            "object": _OBJECT[self.kind],
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        }
 
     # --- streaming ----------------------------------------------------------------------
 
@@ -170,23 +183,37 @@ class Generation:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
-        chunk = {"id": self.spec.request_id, "object": _CHUNK_OBJECT[self.kind], "created": self.created,
-                 "model": self.model, "choices": [choice]}
+        chunk = {
+            "id": self.spec.request_id,
+            "object": _CHUNK_OBJECT[self.kind],
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if self.include_usage:
             chunk["usage"] = None
         return chunk
 
     def _usage_chunk(self) -> dict:
-        return {"id": self.spec.request_id, "object": _CHUNK_OBJECT[self.kind], "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage()}
+        return {
+            "id": self.spec.request_id,
+            "object": _CHUNK_OBJECT[self.kind],
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        }
 
     def usage(self) -> dict:
         prompt = len(self.spec.prompt_tokens)
         cached = self.sequencer.usage.cached_tokens if self.sequencer.usage else 0
         completion = self.assembler.tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     # --- the end ----------------------------------------------------------------------------
 

@@ -83,10 +83,12 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     out = []
     for i, message in enumerate(request.messages):
         if message.role not in _ROLES:
-            raise InvalidRequest(f"Unknown role {message.role!r}; expected one of {', '.join(_ROLES)}.",
-                                 param=f"messages[{i}].role")
-        out.append({"role": "system" if message.role == "developer" else message.role,
-                    "content": _text_of(message.content, i)})
+            raise InvalidRequest(
+                f"Unknown role {message.role!r}; expected one of {', '.join(_ROLES)}.", param=f"messages[{i}].role"
+            )
+        out.append(
+            {"role": "system" if message.role == "developer" else message.role, "content": _text_of(message.content, i)}
+        )
     return out
 
 
@@ -98,8 +100,10 @@ def _text_of(content: str | list[ContentPart] | None, index: int) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
-            raise InvalidRequest(f"Content part of type {part.type!r} is not supported; only text is.",
-                                 param=f"messages[{index}].content[{j}]")
+            raise InvalidRequest(
+                f"Content part of type {part.type!r} is not supported; only text is.",
+                param=f"messages[{index}].content[{j}]",
+            )
         texts.append(part.text)
     return "".join(texts)
 
@@ -121,5 +125,4 @@ def check_sampling(request: _Sampling) -> None:
     if request.top_p is not None and not 0.0 < request.top_p <= 1.0:
         raise InvalidRequest("`top_p` must be in (0, 1].", param="top_p")
     if request.stream_options is not None and not request.stream:
-        raise InvalidRequest("`stream_options` is only allowed when `stream` is true.",
-                             param="stream_options")
+        raise InvalidRequest("`stream_options` is only allowed when `stream` is true.", param="stream_options")

@@ -52,9 +52,17 @@ class IngressService:
         sock = _bind(cfg.host, cfg.port)
         async with connect(cfg.nats_url, cfg.ingress_id, self.stats) as nc:
             ingress = Ingress(cfg, self.tokenizer, nc, self.router, self.metrics, self.stats)
-            server = _Server(uvicorn.Config(ingress.app, log_level="warning", access_log=False, http=_http_impl(),
-                                            timeout_graceful_shutdown=5, lifespan="off",
-                                            timeout_keep_alive=65))
+            server = _Server(
+                uvicorn.Config(
+                    ingress.app,
+                    log_level="warning",
+                    access_log=False,
+                    http=_http_impl(),
+                    timeout_graceful_shutdown=5,
+                    lifespan="off",
+                    timeout_keep_alive=65,
+                )
+            )
             try:
                 async with anyio.create_task_group() as tg:
                     tokens = await subscribe(nc, subjects.stream(cfg.ingress_id))

@@ -33,7 +33,7 @@ _SLACK = 16
 class Inbox:
     """The chunks of one request, from the router to its reader."""
 
-    __slots__ = ("request_id", "chunks", "limit", "last_put", "_wake")
+    __slots__ = ("_wake", "chunks", "last_put", "limit", "request_id")
 
     def __init__(self, request_id: str, limit: int) -> None:
         self.request_id = request_id
@@ -53,8 +53,9 @@ class Inbox:
         return True
 
     def fail(self, code: str, message: str) -> None:
-        self.chunks.append(StreamChunk(request_id=self.request_id, seq=0,
-                                       error=StreamError(code=code, message=message)))
+        self.chunks.append(
+            StreamChunk(request_id=self.request_id, seq=0, error=StreamError(code=code, message=message))
+        )
         if self._wake is not None:
             self._wake.set()
 
@@ -155,7 +156,7 @@ class TokenSequencer:
         return None
 
     def _take(self, chunk: StreamChunk) -> list[int]:
-        fresh = chunk.token_ids[self.next_seq - chunk.seq:]
+        fresh = chunk.token_ids[self.next_seq - chunk.seq :]
         self.next_seq += len(fresh)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason

@@ -120,17 +120,19 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Same as transformers: jinja's built-in tojson HTML-escapes, which would change prompts.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _chat_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     return env
@@ -179,8 +181,7 @@ def _max_context(model: _ModelConfig, tok: _TokenizerConfig, model_dir: Path) ->
     return int(limit)
 
 
-def _eos_token_id(model: _ModelConfig, tok: _TokenizerConfig, tokenizer: Tokenizer,
-                  path: Path) -> int:
+def _eos_token_id(model: _ModelConfig, tok: _TokenizerConfig, tokenizer: Tokenizer, path: Path) -> int:
     if isinstance(model.eos_token_id, int):
         return model.eos_token_id
     if model.eos_token_id:  # a list: generation stops on any; the first is the canonical one
@@ -247,8 +248,14 @@ class IncrementalDecoder:
 class ModelTokenizer:
     """The tokenizer, chat template and model facts of one served model."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: jinja2.Template | None,
-                 special_tokens: dict[str, str], info: ModelInfo, ordinary_ids: range) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: jinja2.Template | None,
+        special_tokens: dict[str, str],
+        info: ModelInfo,
+        ordinary_ids: range,
+    ) -> None:
         self._tokenizer = tokenizer
         self._chat_template = chat_template
         self._special_tokens = special_tokens
@@ -263,9 +270,7 @@ class ModelTokenizer:
         tok_path = model_dir / "tokenizer_config.json"
         tok_config = _read_struct(tok_path, _TokenizerConfig)
         model_path = model_dir / "config.json"
-        model_config = (
-            _read_struct(model_path, _ModelConfig) if model_path.is_file() else _ModelConfig()
-        )
+        model_config = _read_struct(model_path, _ModelConfig) if model_path.is_file() else _ModelConfig()
         info = ModelInfo(
             name=model_config.served_model_name or model_dir.resolve().name,
             max_context=_max_context(model_config, tok_config, model_dir),

@@ -17,5 +17,15 @@ from switchyard.kvbus.keys import (
     vllm_block_hashes,
 )
 
-__all__ = ["BlockKey", "KeyScheme", "Salt", "VLLM_DEFAULT_HASH_SEED", "block_keys", "cache_salt_for",
-           "hash_block_tokens", "key_of_digest", "salt_for", "vllm_block_hashes"]
+__all__ = [
+    "VLLM_DEFAULT_HASH_SEED",
+    "BlockKey",
+    "KeyScheme",
+    "Salt",
+    "block_keys",
+    "cache_salt_for",
+    "hash_block_tokens",
+    "key_of_digest",
+    "salt_for",
+    "vllm_block_hashes",
+]

@@ -75,8 +75,9 @@ def _sha256_cbor(value: object) -> bytes:
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
 
-def vllm_block_hashes(tokens: list[int], block_size: int, cache_salt: str | None = None,
-                      seed: str = VLLM_DEFAULT_HASH_SEED) -> list[bytes]:
+def vllm_block_hashes(
+    tokens: list[int], block_size: int, cache_salt: str | None = None, seed: str = VLLM_DEFAULT_HASH_SEED
+) -> list[bytes]:
     """vLLM's chained ``sha256_cbor`` hashes of every full block of ``tokens``."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

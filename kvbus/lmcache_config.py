@@ -112,17 +112,27 @@ def lmcache_transfer_config(config: Any, role: str, work_dir: Path) -> dict[str,
     host, _, rpc = config.mooncake.master.rpartition(":")
     metadata = urlsplit(config.mooncake.metadata_server)
     if not rpc.isdigit() or metadata.port is None:
-        raise ValueError(f"LMCache needs host:port for the Mooncake master and a metadata URL with a port, "
-                         f"got {config.mooncake.master!r} and {config.mooncake.metadata_server!r}")
+        raise ValueError(
+            f"LMCache needs host:port for the Mooncake master and a metadata URL with a port, "
+            f"got {config.mooncake.master!r} and {config.mooncake.metadata_server!r}"
+        )
     lm = config.lmcache
     # One disk folder per engine: LMCache names files by content, and two engines sharing a
     # folder would each index only their own writes.
     disk = Path(lm.disk_dir) / work_dir.name if lm.disk_dir else work_dir / "lmcache-disk"
     _env, transfer = write_lmcache_config(
-        work_dir / "lmcache.yaml", role=config.kv_role(role), block_size=config.block_size, chunk_blocks=1,
-        cpu_gb=lm.local_cpu_bytes / (1 << 30), disk_dir=disk,
-        disk_gb=lm.disk_bytes / (1 << 30), mooncake_rpc_port=int(rpc), mooncake_http_port=metadata.port,
-        host=host or "127.0.0.1", local_buffer_bytes=config.mooncake.local_buffer_bytes)
+        work_dir / "lmcache.yaml",
+        role=config.kv_role(role),
+        block_size=config.block_size,
+        chunk_blocks=1,
+        cpu_gb=lm.local_cpu_bytes / (1 << 30),
+        disk_dir=disk,
+        disk_gb=lm.disk_bytes / (1 << 30),
+        mooncake_rpc_port=int(rpc),
+        mooncake_http_port=metadata.port,
+        host=host or "127.0.0.1",
+        local_buffer_bytes=config.mooncake.local_buffer_bytes,
+    )
     return transfer
 
 

@@ -32,9 +32,8 @@ import functools
 import time
 from typing import Any
 
-import torch
-
 import lmcache.v1.gpu_connector as _lmc_gc
+import torch
 from lmcache.utils import EngineType
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
@@ -107,8 +106,10 @@ class CPUPagedKVConnector(GPUConnectorInterface):
                 raise ValueError("'kvcaches' must be passed on the first transfer")
             return
         kvcaches = list(kvcaches)
-        if self.kvcaches is not None and len(kvcaches) == len(self.kvcaches) and all(
-            a is b for a, b in zip(kvcaches, self.kvcaches)
+        if (
+            self.kvcaches is not None
+            and len(kvcaches) == len(self.kvcaches)
+            and all(a is b for a, b in zip(kvcaches, self.kvcaches))
         ):
             return
         if len(kvcaches) != self.num_layers:
@@ -128,7 +129,9 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         layout = block_layout(self.dtype, kvcaches[0].shape[2], self.num_kv_heads, self.head_size)
         self.kvcaches, self._flat, self._layout = kvcaches, flat, layout.flatten(1)
 
-    def _index(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _index(
+        self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Validate; return (memory tensor, block index [n, 1], element offsets [n, 2*H*D])."""
         self.initialize_kvcaches_ptr(**kwargs)
         if "slot_mapping" not in kwargs:
@@ -179,6 +182,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_size])
 
+
 _original_factory: Any = None  # LMCache's own factory, once wrapped
 
 
@@ -198,7 +202,9 @@ def register_cpu_kv_connector() -> None:
         return
     original = _lmc_gc.CreateGPUConnector
 
-    def create(config: Any, metadata: LMCacheMetadata, engine: EngineType, layout_hints: Any = None) -> GPUConnectorInterface:
+    def create(
+        config: Any, metadata: LMCacheMetadata, engine: EngineType, layout_hints: Any = None
+    ) -> GPUConnectorInterface:
         if engine == EngineType.VLLM and _lmc_gc.torch_device_type == "cpu":
             if config.use_layerwise or config.enable_blending or config.use_gpu_connector_v3:
                 raise ValueError("CPUPagedKVConnector supports neither layerwise, blending nor connector v3")

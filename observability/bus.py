@@ -41,14 +41,14 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
         if isinstance(exc, SlowConsumerError):
             stats.dropped += 1
             if stats.dropped in (1, 10, 100) or stats.dropped % 1000 == 0:
-                log.warning("%s: slow consumer on %s, %d messages dropped so far",
-                            name, exc.subject, stats.dropped)
+                log.warning("%s: slow consumer on %s, %d messages dropped so far", name, exc.subject, stats.dropped)
         else:
             stats.errors += 1
             log.warning("%s: NATS error: %r", name, exc)
 
-    nc = await nats.connect(url, name=name, error_cb=on_error, max_reconnect_attempts=-1,
-                            reconnect_time_wait=0.2, connect_timeout=5)
+    nc = await nats.connect(
+        url, name=name, error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.2, connect_timeout=5
+    )
     try:
         yield nc
     finally:
@@ -74,5 +74,4 @@ async def decoded(sub, codec, what: str):
 
 
 async def subscribe(nc: Client, subject: str, queue: str = ""):
-    return await nc.subscribe(subject, queue=queue, pending_msgs_limit=PENDING_MSGS,
-                              pending_bytes_limit=PENDING_BYTES)
+    return await nc.subscribe(subject, queue=queue, pending_msgs_limit=PENDING_MSGS, pending_bytes_limit=PENDING_BYTES)

@@ -17,52 +17,75 @@ class ServingMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("switchyard_time_to_first_token_seconds",
-                              "Request arrival at the ingress to its first token.",
-                              registry=r, buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("switchyard_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, per request.",
-                              registry=r, buckets=_TPOT_BUCKETS)
-        self.queue_time = Histogram("switchyard_queue_time_seconds",
-                                    "Time a request waited in the scheduler's central queue.",
-                                    registry=r, buckets=_LATENCY_BUCKETS)
-        self.prompt_tokens = Counter("switchyard_prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=r)
-        self.cached_tokens = Counter("switchyard_cached_tokens",
-                                     "Prompt tokens served from a KV cache instead of computed.",
-                                     registry=r)
-        self.generation_tokens = Counter("switchyard_generation_tokens", "Output tokens sent.",
-                                         registry=r)
-        self.requests = Counter("switchyard_requests", "Requests by outcome.", ["outcome"],
-                                registry=r)
-        self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.",
-                               registry=r)
-        self.bus_dropped = Gauge("switchyard_bus_dropped_messages",
-                                 "Messages a slow NATS subscription of this process dropped.",
-                                 registry=r)
+        self.ttft = Histogram(
+            "switchyard_time_to_first_token_seconds",
+            "Request arrival at the ingress to its first token.",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "switchyard_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            registry=r,
+            buckets=_TPOT_BUCKETS,
+        )
+        self.queue_time = Histogram(
+            "switchyard_queue_time_seconds",
+            "Time a request waited in the scheduler's central queue.",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = Counter("switchyard_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter(
+            "switchyard_cached_tokens", "Prompt tokens served from a KV cache instead of computed.", registry=r
+        )
+        self.generation_tokens = Counter("switchyard_generation_tokens", "Output tokens sent.", registry=r)
+        self.requests = Counter("switchyard_requests", "Requests by outcome.", ["outcome"], registry=r)
+        self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.", registry=r)
+        self.bus_dropped = Gauge(
+            "switchyard_bus_dropped_messages", "Messages a slow NATS subscription of this process dropped.", registry=r
+        )
 
         # Each worker's engine counters, as its last heartbeat told the scheduler; the
         # ingress reads them at scrape time (a vLLM engine's own figures, not ours).
         workers = ["worker_id", "role", "engine"]
-        self.worker_boot = Gauge("switchyard_worker_boot_seconds", "How long the worker's engine took to start.",
-                                 workers, registry=r)
-        self.worker_tokens = Gauge("switchyard_worker_prompt_tokens",
-                                   "Prompt tokens the worker's engine saw, by source "
-                                   "(computed, local_cache_hit, external_kv_transfer).",
-                                   [*workers, "source"], registry=r)
-        self.worker_kv_fallbacks = Gauge("switchyard_worker_kv_fallbacks",
-                                         "Handed-over KV that did not arrive, so the engine recomputed it.",
-                                         workers, registry=r)
-        self.worker_spec = Gauge("switchyard_worker_spec_decode_tokens",
-                                 "Speculative decoding: draft tokens proposed and accepted.",
-                                 [*workers, "kind"], registry=r)
-        self.worker_spec_acceptance = Gauge("switchyard_worker_spec_decode_acceptance_ratio",
-                                            "Accepted over proposed draft tokens.", workers, registry=r)
+        self.worker_boot = Gauge(
+            "switchyard_worker_boot_seconds", "How long the worker's engine took to start.", workers, registry=r
+        )
+        self.worker_tokens = Gauge(
+            "switchyard_worker_prompt_tokens",
+            "Prompt tokens the worker's engine saw, by source (computed, local_cache_hit, external_kv_transfer).",
+            [*workers, "source"],
+            registry=r,
+        )
+        self.worker_kv_fallbacks = Gauge(
+            "switchyard_worker_kv_fallbacks",
+            "Handed-over KV that did not arrive, so the engine recomputed it.",
+            workers,
+            registry=r,
+        )
+        self.worker_spec = Gauge(
+            "switchyard_worker_spec_decode_tokens",
+            "Speculative decoding: draft tokens proposed and accepted.",
+            [*workers, "kind"],
+            registry=r,
+        )
+        self.worker_spec_acceptance = Gauge(
+            "switchyard_worker_spec_decode_acceptance_ratio",
+            "Accepted over proposed draft tokens.",
+            workers,
+            registry=r,
+        )
 
     def set_workers(self, summaries) -> None:
         """Replace the per-worker gauges with ``ClusterStatus.workers``."""
-        for gauge in (self.worker_boot, self.worker_tokens, self.worker_kv_fallbacks, self.worker_spec,
-                      self.worker_spec_acceptance):
+        for gauge in (
+            self.worker_boot,
+            self.worker_tokens,
+            self.worker_kv_fallbacks,
+            self.worker_spec,
+            self.worker_spec_acceptance,
+        ):
             gauge.clear()
         for w in summaries:
             labels = (w.worker_id, w.role, w.engine)
@@ -70,8 +93,11 @@ class ServingMetrics:
             stats = w.stats
             if stats is None:
                 continue
-            for source, value in (("computed", stats.computed_tokens), ("local_cache_hit", stats.local_cache_hit_tokens),
-                                  ("external_kv_transfer", stats.external_hit_tokens)):
+            for source, value in (
+                ("computed", stats.computed_tokens),
+                ("local_cache_hit", stats.local_cache_hit_tokens),
+                ("external_kv_transfer", stats.external_hit_tokens),
+            ):
                 self.worker_tokens.labels(*labels, source).set(value)
             self.worker_kv_fallbacks.labels(*labels).set(stats.kv_fallbacks)
             if stats.spec_draft_tokens:

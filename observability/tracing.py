@@ -23,8 +23,9 @@ class TracingError(Exception):
     """The tracing configuration asked for something this install cannot do."""
 
 
-def configure(service_name: str, exporter: str = "none",
-              processor: SpanProcessor | None = None) -> TracerProvider | None:
+def configure(
+    service_name: str, exporter: str = "none", processor: SpanProcessor | None = None
+) -> TracerProvider | None:
     """Install the process's tracer provider (OpenTelemetry allows one per process).
 
     With nothing to export, no SDK provider is installed: the API's non-recording spans

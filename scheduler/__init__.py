@@ -7,5 +7,13 @@ from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.core import Action, BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerCore
 from switchyard.scheduler.policies import POLICIES
 
-__all__ = ["Action", "BindSession", "Dispatch", "FailStream", "POLICIES", "RequestSnapshot", "SchedulerConfig",
-           "SchedulerCore"]
+__all__ = [
+    "POLICIES",
+    "Action",
+    "BindSession",
+    "Dispatch",
+    "FailStream",
+    "RequestSnapshot",
+    "SchedulerConfig",
+    "SchedulerCore",
+]

@@ -170,8 +170,7 @@ class SchedulerCore:
         self._forget(request_id)
         return self._drain(now)
 
-    def on_dispatch_failed(self, worker_id: str, request_id: str, outcome: DispatchOutcome,
-                           now: float) -> list[Action]:
+    def on_dispatch_failed(self, worker_id: str, request_id: str, outcome: DispatchOutcome, now: float) -> list[Action]:
         """A task did not reach its worker.
 
         ``refused``: the worker said no (full, or it heard the cancel first): try again.
@@ -211,10 +210,15 @@ class SchedulerCore:
 
     def status(self) -> ClusterStatus:
         workers = [
-            WorkerSummary(worker_id=w.worker_id, role=w.role, inflight_tokens=w.load_tokens,
-                          running=len(w.assigned), engine=w.last_report.engine if w.last_report else "",
-                          boot_s=w.last_report.boot_s if w.last_report else 0.0,
-                          stats=w.last_report.stats if w.last_report else None)
+            WorkerSummary(
+                worker_id=w.worker_id,
+                role=w.role,
+                inflight_tokens=w.load_tokens,
+                running=len(w.assigned),
+                engine=w.last_report.engine if w.last_report else "",
+                boot_s=w.last_report.boot_s if w.last_report else 0.0,
+                stats=w.last_report.stats if w.last_report else None,
+            )
             for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
         ]
         return ClusterStatus(workers=workers, queued_requests=len(self._queue), queued_tokens=self._queue.tokens)
@@ -244,11 +248,18 @@ class SchedulerCore:
         if rid in self.requests:
             return Rejected(request_id=rid, reason="invalid", message=f"duplicate request id {rid}")
         roles = {w.role for w in self.workers.values()}
-        missing = [need for need, able in (("prefill", {"prefill", "both"}), ("decode", {"decode", "both"}))
-                   if not roles & able]
+        missing = [
+            need
+            for need, able in (("prefill", {"prefill", "both"}), ("decode", {"decode", "both"}))
+            if not roles & able
+        ]
         if missing:
-            return Rejected(request_id=rid, reason="no_workers", retry_after_s=1.0,
-                            message=f"no {' and '.join(missing)} worker is available")
+            return Rejected(
+                request_id=rid,
+                reason="no_workers",
+                retry_after_s=1.0,
+                message=f"no {' and '.join(missing)} worker is available",
+            )
         tokens = len(spec.prompt_tokens)
         if len(self._queue) and self._queue.tokens + tokens > self.config.max_queued_tokens:
             return self._overloaded(rid, f"{self._queue.tokens} prompt tokens are already queued")
@@ -258,8 +269,9 @@ class SchedulerCore:
 
     def _overloaded(self, rid: str, why: str) -> Rejected:
         wait = max(1.0, math.ceil(self.predicted_wait_s()))
-        return Rejected(request_id=rid, reason="overloaded", retry_after_s=wait,
-                        message=f"{why}; retry in about {wait:.0f} s")
+        return Rejected(
+            request_id=rid, reason="overloaded", retry_after_s=wait, message=f"{why}; retry in about {wait:.0f} s"
+        )
 
     def _expire_deadlines(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -268,8 +280,9 @@ class SchedulerCore:
             deadline = tracked.spec.deadline_s
             if deadline is not None and now - tracked.enqueued_at > deadline:
                 self._forget(rid)
-                error = StreamError(code="deadline_exceeded",
-                                    message=f"request {rid} waited past its deadline of {deadline:.1f} s")
+                error = StreamError(
+                    code="deadline_exceeded", message=f"request {rid} waited past its deadline of {deadline:.1f} s"
+                )
                 actions.append(FailStream(tracked.spec.ingress_id, rid, error))
         return actions
 
@@ -371,8 +384,7 @@ class SchedulerCore:
         worker.assign(tracked.spec.request_id, tracked.decode_tokens)
         tracked.phase, tracked.worker_id = "decode", worker.worker_id
         tracked.attempts += 1
-        task = DecodeTask(spec=tracked.spec, handle=done.handle, first_token=done.first_token,
-                          usage=done.usage)
+        task = DecodeTask(spec=tracked.spec, handle=done.handle, first_token=done.first_token, usage=done.usage)
         return Dispatch(worker.worker_id, task)
 
     # --- workers ---------------------------------------------------------------------
@@ -386,9 +398,14 @@ class SchedulerCore:
             actions = self._remove_worker(report.worker_id, now)
             worker = None
         if worker is None:
-            worker = WorkerState(worker_id=report.worker_id, role=report.role,
-                                 token_budget=report.token_budget, block_size=report.block_size,
-                                 last_seen=now, prefill_rate=self.config.default_prefill_tokens_per_s)
+            worker = WorkerState(
+                worker_id=report.worker_id,
+                role=report.role,
+                token_budget=report.token_budget,
+                block_size=report.block_size,
+                last_seen=now,
+                prefill_rate=self.config.default_prefill_tokens_per_s,
+            )
             self._capacity_changed()
             self.workers[report.worker_id] = worker
             actions += self._ask_snapshot(report.worker_id)  # a full dump when a worker joins

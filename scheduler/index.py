@@ -188,8 +188,9 @@ class PrefixIndex:
         blocks, device = self.match_counts(block_keys, workers)
         return {w: WorkerMatch(w, device.get(w, 0), n) for w, n in blocks.items() if n > 0}
 
-    def match_counts(self, block_keys: list[int],
-                     workers: Iterable[str] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    def match_counts(
+        self, block_keys: list[int], workers: Iterable[str] | None = None
+    ) -> tuple[dict[str, int], dict[str, int]]:
         """``match`` as two plain maps, worker -> leading blocks on any tier and on its
         device tier (a worker absent or at 0 matched nothing): what placement reads,
         without an object per worker when a prefix is held fleet-wide."""

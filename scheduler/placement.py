@@ -38,9 +38,14 @@ class Placer:
     def prefill(self, request: Tracked, workers: Iterable[WorkerState], bound_worker: str | None) -> Placement | None:
         workers = list(workers)
         blocks, device = self.index.match_counts(request.spec.block_keys)
-        view = PlacementView(blocks=blocks, device_blocks=device, block_size=request.spec.block_size,
-                             prefill_rate=lambda w: w.prefill_rate, fetch_credit=self.config.fetch_credit,
-                             prompt_tokens=request.prompt_tokens)
+        view = PlacementView(
+            blocks=blocks,
+            device_blocks=device,
+            block_size=request.spec.block_size,
+            prefill_rate=lambda w: w.prefill_rate,
+            fetch_credit=self.config.fetch_credit,
+            prompt_tokens=request.prompt_tokens,
+        )
         local = self._local(request, workers, view)
         if local is not None:
             return local
@@ -53,8 +58,9 @@ class Placer:
             chosen = self._bound(fitting, bound_worker, view) or self.policy.choose(request, fitting, view)
         return Placement(chosen, "prefill", view.need(chosen))
 
-    def _quick(self, request: Tracked, capable: list[WorkerState], bound_worker: str | None,
-               view: PlacementView) -> WorkerState | None:
+    def _quick(
+        self, request: Tracked, capable: list[WorkerState], bound_worker: str | None, view: PlacementView
+    ) -> WorkerState | None:
         """For a policy that takes the least of a key, the best of all workers, if it
         fits, is the best of those that fit: skip the pass that filters the fleet. Not
         with a session binding (it is decided among the fitting workers)."""
@@ -84,8 +90,11 @@ class Placer:
         limit = self.config.local_prefill_max_tokens
         if limit <= 0:
             return None
-        fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)
-                   and view.uncached_tokens(w) <= limit]
+        fitting = [
+            w
+            for w in workers
+            if w.role == "decode" and w.fits(request.decode_tokens) and view.uncached_tokens(w) <= limit
+        ]
         if not fitting:
             return None
         return Placement(min(fitting, key=decode_cost), "local", request.decode_tokens)

@@ -45,10 +45,13 @@ class PlacementView:
     prompt_tokens: int
 
     @classmethod
-    def of(cls, matches: Mapping[str, WorkerMatch], **rest) -> "PlacementView":
+    def of(cls, matches: Mapping[str, WorkerMatch], **rest) -> PlacementView:
         """A view from ``PrefixIndex.match`` results (tests build it this way)."""
-        return cls(blocks={w: m.blocks for w, m in matches.items()},
-                   device_blocks={w: m.device_blocks for w, m in matches.items()}, **rest)
+        return cls(
+            blocks={w: m.blocks for w, m in matches.items()},
+            device_blocks={w: m.device_blocks for w, m in matches.items()},
+            **rest,
+        )
 
     def matched(self, worker_id: str) -> bool:
         return self.blocks.get(worker_id, 0) > 0
@@ -151,9 +154,16 @@ class Switchyard:
     def cost(cls, worker: WorkerState, request: Tracked, view: PlacementView) -> float:
         """``predicted_ttft_s``, with its terms logged at debug level."""
         cost = cls.predicted_ttft_s(worker, view)
-        log.debug("cost %s on %s = (queued %d + uncached %.0f of %d) / %.0f tok/s = %.4f s",
-                  request.spec.request_id, worker.worker_id, worker.load_tokens, view.uncached_tokens(worker),
-                  request.prompt_tokens, view.prefill_rate(worker), cost)
+        log.debug(
+            "cost %s on %s = (queued %d + uncached %.0f of %d) / %.0f tok/s = %.4f s",
+            request.spec.request_id,
+            worker.worker_id,
+            worker.load_tokens,
+            view.uncached_tokens(worker),
+            request.prompt_tokens,
+            view.prefill_rate(worker),
+            cost,
+        )
         return cost
 
 

@@ -64,8 +64,13 @@ class FairQueue:
 
     @staticmethod
     def _key(tracked: Tracked) -> _Key:
-        return (tracked.spec.priority, 0 if tracked.requeued else 1, tracked.virtual_start or 0.0,
-                tracked.order, tracked.spec.request_id)
+        return (
+            tracked.spec.priority,
+            0 if tracked.requeued else 1,
+            tracked.virtual_start or 0.0,
+            tracked.order,
+            tracked.spec.request_id,
+        )
 
     def _forget_idle_tenants(self) -> None:
         # A tenant whose virtual finish is behind virtual now has no advantage left to

@@ -125,8 +125,7 @@ class SchedulerService:
                 tg.start_soon(self._tick)
                 await nc.flush()
                 # Workers that were up before us register now instead of at their next beat.
-                await nc.publish(subjects.ROLL_CALL,
-                                 codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
+                await nc.publish(subjects.ROLL_CALL, codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
                 log.info("scheduler %s ready on %s", self.scheduler_id, self.config.nats_url)
                 task_status.started()
 
@@ -189,8 +188,9 @@ class SchedulerService:
         assert self._nc is not None
         request = codec.KV_SNAPSHOT_REQUEST.encode(KvSnapshotRequest(scheduler_id=self.scheduler_id))
         try:
-            reply = await self._nc.request(subjects.kv_snapshot(worker_id), request,
-                                           timeout=self.config.snapshot_timeout_s)
+            reply = await self._nc.request(
+                subjects.kv_snapshot(worker_id), request, timeout=self.config.snapshot_timeout_s
+            )
             snapshot = codec.KV_SNAPSHOT.decode(reply.data)
         except (nats.errors.Error, msgspec.DecodeError) as exc:  # timeout, no responders, garbage
             log.warning("no KV snapshot from %s: %r", worker_id, exc)
@@ -259,8 +259,11 @@ class SchedulerService:
         try:
             self._snapshots_send.send_nowait(worker_id)
         except anyio.WouldBlock:
-            log.warning("%d KV snapshots already waiting; %s must ask again",
-                        self._snapshots_send.statistics().current_buffer_used, worker_id)
+            log.warning(
+                "%d KV snapshots already waiting; %s must ask again",
+                self._snapshots_send.statistics().current_buffer_used,
+                worker_id,
+            )
             await self._act(self.core.on_snapshot_failed(worker_id, self._clock()))
 
     async def _dispatch(self, action: Dispatch) -> None:
@@ -273,15 +276,19 @@ class SchedulerService:
             headers = tracing.inject()
         token = str(next(self._tokens))
         self._pending[token] = _PendingAck(action.worker_id, rid, self._clock() + self.config.dispatch_timeout_s)
-        await self._nc.publish(subjects.worker_tasks(action.worker_id), codec.WORKER_TASK.encode(action.task),
-                               reply=f"{self._ack_inbox}.{token}", headers=headers or None)
+        await self._nc.publish(
+            subjects.worker_tasks(action.worker_id),
+            codec.WORKER_TASK.encode(action.task),
+            reply=f"{self._ack_inbox}.{token}",
+            headers=headers or None,
+        )
 
     async def _dispatch_failed(self, pending: _PendingAck, outcome: DispatchOutcome) -> None:
         if outcome != "refused":
-            log.warning("worker %s: %s for %s; removing it", pending.worker_id, outcome.replace("_", " "),
-                        pending.request_id)
-        await self._act(self.core.on_dispatch_failed(pending.worker_id, pending.request_id, outcome,
-                                                      self._clock()))
+            log.warning(
+                "worker %s: %s for %s; removing it", pending.worker_id, outcome.replace("_", " "), pending.request_id
+            )
+        await self._act(self.core.on_dispatch_failed(pending.worker_id, pending.request_id, outcome, self._clock()))
 
     async def _fail_stream(self, action: FailStream) -> None:
         assert self._nc is not None

@@ -46,7 +46,7 @@ class SessionStore:
         self._kv = kv
 
     @classmethod
-    async def open(cls, nc: Client, ttl_s: float) -> "SessionStore":
+    async def open(cls, nc: Client, ttl_s: float) -> SessionStore:
         try:
             kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket=BUCKET, ttl=ttl_s, history=1))
         except Exception as exc:  # no JetStream on this server: run without persistence
@@ -61,8 +61,12 @@ class SessionStore:
     async def put(self, binding: Binding, now: float) -> None:
         if self._kv is None:
             return
-        stored = _Stored(tenant=binding.tenant, session=binding.session, worker_id=binding.worker_id,
-                         expires_unix=time.time() + (binding.expires_at - now))
+        stored = _Stored(
+            tenant=binding.tenant,
+            session=binding.session,
+            worker_id=binding.worker_id,
+            expires_unix=time.time() + (binding.expires_at - now),
+        )
         await self._kv.put(_key(binding.tenant, binding.session), _ENCODER.encode(stored))
 
     async def load(self, now: float) -> list[Binding]:
@@ -83,6 +87,7 @@ class SessionStore:
             if not entry.value:
                 continue
             stored = _DECODER.decode(entry.value)
-            bindings.append(Binding(stored.tenant, stored.session, stored.worker_id,
-                                    now + (stored.expires_unix - wall)))
+            bindings.append(
+                Binding(stored.tenant, stored.session, stored.worker_id, now + (stored.expires_unix - wall))
+            )
         return bindings

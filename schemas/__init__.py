@@ -3,8 +3,7 @@
 if __name__ != "switchyard.schemas":  # one module, one name: the wheel installs only `switchyard`
     raise ImportError(f"import switchyard.schemas, not {__name__}")
 
-from switchyard.schemas import subjects
-from switchyard.schemas import codec
+from switchyard.schemas import codec, subjects
 from switchyard.schemas.codec import Codec
 from switchyard.schemas.messages import *  # noqa: F403  (the message catalogue is the public API)
 from switchyard.schemas.messages import __all__ as _messages_all

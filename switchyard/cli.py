@@ -35,14 +35,29 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     up.add_argument("--prefill", type=_positive_int, default=1, help="prefill workers")
     up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
-    up.add_argument("--ready-timeout-s", type=float, default=None,
-                    help="default: 60 s, or 600 s for the vllm engine (engines boot in 30-90 s on a CPU host)")
-    up.add_argument("--mooncake-segment-bytes", type=_positive_int, default=1 << 30,
-                    help="vllm: memory the Mooncake Store's segment process lends the store")
-    up.add_argument("--mooncake-external", action="store_true",
-                    help="vllm: use the Mooncake Store named by --mooncake-master instead of starting one")
-    up.add_argument("--max-restarts", type=int, default=5,
-                    help="restarts of a crashed child before the stack stops (0: stop at the first crash)")
+    up.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=None,
+        help="default: 60 s, or 600 s for the vllm engine (engines boot in 30-90 s on a CPU host)",
+    )
+    up.add_argument(
+        "--mooncake-segment-bytes",
+        type=_positive_int,
+        default=1 << 30,
+        help="vllm: memory the Mooncake Store's segment process lends the store",
+    )
+    up.add_argument(
+        "--mooncake-external",
+        action="store_true",
+        help="vllm: use the Mooncake Store named by --mooncake-master instead of starting one",
+    )
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of a crashed child before the stack stops (0: stop at the first crash)",
+    )
     _add_ingress_options(up)
     _add_scheduler_options(up)
     _add_worker_options(up)
@@ -62,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--worker-id", default="")
     worker.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="model directory")
     worker.add_argument("--block-size", type=_positive_int, default=None, help="default: 16 (sim), 32 (vllm)")
-    worker.add_argument("--served-model-name", default="", help="the model's name on the bus (default: its directory's)")
+    worker.add_argument(
+        "--served-model-name", default="", help="the model's name on the bus (default: its directory's)"
+    )
     _add_worker_options(worker)
 
     tiny = sub.add_parser("build-tiny-model", help="build the tiny Llama (seeded weights) that vLLM serves in tests")
@@ -105,54 +122,89 @@ def _add_ingress_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     if not any(a.dest == "block_size" for a in p._actions):
-        g.add_argument("--block-size", type=_positive_int, default=None,
-                       help="the engine's KV block size; default: 16 (sim), 32 (vllm)")
+        g.add_argument(
+            "--block-size",
+            type=_positive_int,
+            default=None,
+            help="the engine's KV block size; default: 16 (sim), 32 (vllm)",
+        )
     g.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024)
     g.add_argument("--default-max-tokens", type=_positive_int, default=1024)
     g.add_argument("--stream-idle-timeout-s", type=float, default=60.0)
-    g.add_argument("--key-scheme", default="blake2b", choices=["blake2b", "vllm-sha256-cbor"],
-                   help="block-key hashing: the sim engine's, or a vLLM engine's")
+    g.add_argument(
+        "--key-scheme",
+        default="blake2b",
+        choices=["blake2b", "vllm-sha256-cbor"],
+        help="block-key hashing: the sim engine's, or a vLLM engine's",
+    )
     if not any(a.dest == "hash_seed" for a in p._actions):
-        g.add_argument("--hash-seed", default=VLLM_DEFAULT_HASH_SEED,
-                       help="vllm: the root of the engine's block hashes (an integer, or the default)")
+        g.add_argument(
+            "--hash-seed",
+            default=VLLM_DEFAULT_HASH_SEED,
+            help="vllm: the root of the engine's block hashes (an integer, or the default)",
+        )
 
 
 def _add_scheduler_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-queued-tokens", type=_positive_int, default=262_144)
     g.add_argument("--worker-expiry-s", type=float, default=2.0)
-    g.add_argument("--policy", default="switchyard",
-                   choices=["round_robin", "least_requests", "least_tokens", "prefix", "switchyard"],
-                   help="prefill placement policy")
-    g.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                   help="prompts with at most this many uncached tokens prefill on their decode worker")
+    g.add_argument(
+        "--policy",
+        default="switchyard",
+        choices=["round_robin", "least_requests", "least_tokens", "prefix", "switchyard"],
+        help="prefill placement policy",
+    )
+    g.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="prompts with at most this many uncached tokens prefill on their decode worker",
+    )
     g.add_argument("--session-ttl-s", type=float, default=600.0)
-    g.add_argument("--session-max-load", type=float, default=0.8,
-                   help="a session follows its worker only below this share of the worker's budget")
+    g.add_argument(
+        "--session-max-load",
+        type=float,
+        default=0.8,
+        help="a session follows its worker only below this share of the worker's budget",
+    )
 
 
 def _add_worker_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--token-budget", type=_positive_int, default=65_536)
     g.add_argument("--report-interval-s", type=float, default=0.5)
-    g.add_argument("--min-publish-interval-s", type=float, default=0.001,
-                   help="decode: steps faster than this share one bus message")
+    g.add_argument(
+        "--min-publish-interval-s",
+        type=float,
+        default=0.001,
+        help="decode: steps faster than this share one bus message",
+    )
     g.add_argument("--sim-prefill-base-s", type=float, default=0.0)
     g.add_argument("--sim-prefill-per-token-s", type=float, default=0.0)
     g.add_argument("--sim-decode-step-base-s", type=float, default=0.0)
     g.add_argument("--sim-decode-step-per-seq-s", type=float, default=0.0)
     g.add_argument("--sim-cache-blocks", type=_positive_int, default=4096)
-    g.add_argument("--sim-host-cache-blocks", type=int, default=0,
-                   help="a host-memory tier below the device prefix cache (0: none)")
+    g.add_argument(
+        "--sim-host-cache-blocks",
+        type=int,
+        default=0,
+        help="a host-memory tier below the device prefix cache (0: none)",
+    )
     g.add_argument("--sim-host-fetch-per-token-s", type=float, default=0.0)
     v = p.add_argument_group("vllm engine")
-    v.add_argument("--kv-transfer", default="mooncake-store", choices=["mooncake-store", "lmcache", "nixl", "none"],
-                   help="how KV moves from prefill to decode")
+    v.add_argument(
+        "--kv-transfer",
+        default="mooncake-store",
+        choices=["mooncake-store", "lmcache", "nixl", "none"],
+        help="how KV moves from prefill to decode",
+    )
     v.add_argument("--dtype", default="auto")
     v.add_argument("--max-model-len", type=_positive_int, default=None)
     v.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    v.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
-                   help="the engine's KV cache size (needed on CPU hosts)")
+    v.add_argument(
+        "--kv-cache-bytes", type=_positive_int, default=None, help="the engine's KV cache size (needed on CPU hosts)"
+    )
     v.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     v.add_argument("--enforce-eager", action="store_true", help="skip compilation: faster boot, slower steps")
     v.add_argument("--seed", type=int, default=0)
@@ -162,8 +214,12 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
     v.add_argument("--pipeline-parallel-size", type=_positive_int, default=1)
     v.add_argument("--data-parallel-size", type=_positive_int, default=1)
     v.add_argument("--enable-expert-parallel", action="store_true")
-    v.add_argument("--speculative-method", default=None, choices=["ngram", "eagle", "eagle3", "draft_model", "mtp"],
-                   help="decode workers: speculative decoding")
+    v.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=["ngram", "eagle", "eagle3", "draft_model", "mtp"],
+        help="decode workers: speculative decoding",
+    )
     v.add_argument("--speculative-model", default=None, help="the draft model (eagle, eagle3, draft_model)")
     v.add_argument("--num-speculative-tokens", type=_positive_int, default=3)
     v.add_argument("--mooncake-master", default="127.0.0.1:50051")
@@ -171,8 +227,12 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
     v.add_argument("--lmcache-local-cpu-bytes", type=_positive_int, default=512 << 20)
     v.add_argument("--lmcache-disk-dir", default="", help="LMCache's disk tier (empty: none)")
     v.add_argument("--lmcache-disk-bytes", type=_positive_int, default=2 << 30)
-    v.add_argument("--handoff-timeout-s", type=float, default=10.0,
-                   help="prefill: the longest PrefillDone waits for the KV to be in the store")
+    v.add_argument(
+        "--handoff-timeout-s",
+        type=float,
+        default=10.0,
+        help="prefill: the longest PrefillDone waits for the KV to be in the store",
+    )
     v.add_argument("--vllm-work-dir", default="", help="config files and sockets (default: a temporary directory)")
 
 
@@ -182,20 +242,34 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
 def ingress_config(args: argparse.Namespace, nats_url: str):
     from switchyard.ingress.config import IngressConfig
 
-    return IngressConfig(nats_url=nats_url, model_dir=str(args.model), served_model_name=args.served_model_name,
-                         host=args.host, port=args.port, block_size=args.block_size,
-                         key_scheme=args.key_scheme, hash_seed=args.hash_seed,
-                         max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                         stream_idle_timeout_s=args.stream_idle_timeout_s, trace_exporter=args.trace_exporter)
+    return IngressConfig(
+        nats_url=nats_url,
+        model_dir=str(args.model),
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        block_size=args.block_size,
+        key_scheme=args.key_scheme,
+        hash_seed=args.hash_seed,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        stream_idle_timeout_s=args.stream_idle_timeout_s,
+        trace_exporter=args.trace_exporter,
+    )
 
 
 def scheduler_config(args: argparse.Namespace, nats_url: str):
     from switchyard.scheduler.config import SchedulerConfig
     from switchyard.scheduler.service import SchedulerServiceConfig
 
-    core = SchedulerConfig(max_queued_tokens=args.max_queued_tokens, worker_expiry_s=args.worker_expiry_s,
-                           policy=args.policy, local_prefill_max_tokens=args.local_prefill_max_tokens,
-                           session_ttl_s=args.session_ttl_s, session_max_load=args.session_max_load)
+    core = SchedulerConfig(
+        max_queued_tokens=args.max_queued_tokens,
+        worker_expiry_s=args.worker_expiry_s,
+        policy=args.policy,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        session_ttl_s=args.session_ttl_s,
+        session_max_load=args.session_max_load,
+    )
     return SchedulerServiceConfig(nats_url=nats_url, core=core)
 
 
@@ -208,17 +282,34 @@ def worker_config(args: argparse.Namespace, nats_url: str):
     ordinary = tokenizer.sample_token_ids()
     # Single-byte tokens decode to broken UTF-8 on their own; draw from merged ones.
     low = 256 if len(ordinary) > 512 else ordinary.start
-    cost = SimCostModel(prefill_base_s=args.sim_prefill_base_s, prefill_per_token_s=args.sim_prefill_per_token_s,
-                        decode_step_base_s=args.sim_decode_step_base_s,
-                        decode_step_per_seq_s=args.sim_decode_step_per_seq_s,
-                        host_fetch_per_token_s=args.sim_host_fetch_per_token_s)
-    sim = SimEngineConfig(cost=cost, cache_blocks=args.sim_cache_blocks, host_cache_blocks=args.sim_host_cache_blocks,
-                          token_low=low, token_high=ordinary.stop)
-    return WorkerConfig(nats_url=nats_url, role=args.role, model=args.served_model_name or tokenizer.info.name,
-                        engine=args.engine, model_path=str(args.model),
-                        worker_id=args.worker_id, block_size=args.block_size, token_budget=args.token_budget,
-                        report_interval_s=args.report_interval_s,
-                        min_publish_interval_s=args.min_publish_interval_s, sim=sim, vllm=vllm_config(args))
+    cost = SimCostModel(
+        prefill_base_s=args.sim_prefill_base_s,
+        prefill_per_token_s=args.sim_prefill_per_token_s,
+        decode_step_base_s=args.sim_decode_step_base_s,
+        decode_step_per_seq_s=args.sim_decode_step_per_seq_s,
+        host_fetch_per_token_s=args.sim_host_fetch_per_token_s,
+    )
+    sim = SimEngineConfig(
+        cost=cost,
+        cache_blocks=args.sim_cache_blocks,
+        host_cache_blocks=args.sim_host_cache_blocks,
+        token_low=low,
+        token_high=ordinary.stop,
+    )
+    return WorkerConfig(
+        nats_url=nats_url,
+        role=args.role,
+        model=args.served_model_name or tokenizer.info.name,
+        engine=args.engine,
+        model_path=str(args.model),
+        worker_id=args.worker_id,
+        block_size=args.block_size,
+        token_budget=args.token_budget,
+        report_interval_s=args.report_interval_s,
+        min_publish_interval_s=args.min_publish_interval_s,
+        sim=sim,
+        vllm=vllm_config(args),
+    )
 
 
 def vllm_config(args: argparse.Namespace):
@@ -232,19 +323,38 @@ def vllm_config(args: argparse.Namespace):
 
     speculative = None
     if args.speculative_method:
-        speculative = SpeculativeSettings(method=args.speculative_method, model=args.speculative_model,
-                                          num_speculative_tokens=args.num_speculative_tokens)
+        speculative = SpeculativeSettings(
+            method=args.speculative_method,
+            model=args.speculative_model,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
     return VllmEngineConfig(
-        kv_transfer=args.kv_transfer, block_size=args.block_size, dtype=args.dtype,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager, seed=args.seed,
-        hash_seed=args.hash_seed, speculative=speculative, work_dir=args.vllm_work_dir,
+        kv_transfer=args.kv_transfer,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        hash_seed=args.hash_seed,
+        speculative=speculative,
+        work_dir=args.vllm_work_dir,
         handoff_timeout_s=args.handoff_timeout_s,
-        parallel=ParallelSettings(tensor=args.tensor_parallel_size, pipeline=args.pipeline_parallel_size,
-                                  data=args.data_parallel_size, expert=args.enable_expert_parallel),
+        parallel=ParallelSettings(
+            tensor=args.tensor_parallel_size,
+            pipeline=args.pipeline_parallel_size,
+            data=args.data_parallel_size,
+            expert=args.enable_expert_parallel,
+        ),
         mooncake=MooncakeSettings(master=args.mooncake_master, metadata_server=args.mooncake_metadata_server),
-        lmcache=LmcacheSettings(local_cpu_bytes=args.lmcache_local_cpu_bytes, disk_dir=args.lmcache_disk_dir,
-                                disk_bytes=args.lmcache_disk_bytes))
+        lmcache=LmcacheSettings(
+            local_cpu_bytes=args.lmcache_local_cpu_bytes,
+            disk_dir=args.lmcache_disk_dir,
+            disk_bytes=args.lmcache_disk_bytes,
+        ),
+    )
 
 
 # --- running a service ------------------------------------------------------------------------
@@ -307,14 +417,17 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     if getattr(args, "ready_timeout_s", 0) is None:
         args.ready_timeout_s = 600.0 if vllm else 60.0
     if getattr(args, "engine", "sim") == "vllm" and Path(args.model) == BUNDLED_MODEL:
-        raise ValueError("the vllm engine needs a model directory (--model DIR); "
-                         "`switchyard build-tiny-model DIR` builds a tiny one")
+        raise ValueError(
+            "the vllm engine needs a model directory (--model DIR); `switchyard build-tiny-model DIR` builds a tiny one"
+        )
 
 
 def _main(args: argparse.Namespace) -> int:
     resolve_defaults(args)
-    logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
-                        format=f"%(asctime)s {args.command:<9} %(levelname)-7s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(args, "log_level", "warning").upper(),
+        format=f"%(asctime)s {args.command:<9} %(levelname)-7s %(name)s: %(message)s",
+    )
     from switchyard.observability import tracing
 
     tracing.configure(f"switchyard-{args.command}", getattr(args, "trace_exporter", "none"))

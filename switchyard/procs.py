@@ -65,8 +65,14 @@ def _die_with_parent() -> None:
 
 def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, stdout=None) -> subprocess.Popen:
     preexec = _die_with_parent if sys.platform == "linux" else None
-    return subprocess.Popen(list(args), env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-                            process_group=0, preexec_fn=preexec)
+    return subprocess.Popen(
+        list(args),
+        env=env,
+        stdout=stdout,
+        stderr=subprocess.STDOUT if stdout else None,
+        process_group=0,
+        preexec_fn=preexec,
+    )
 
 
 def stop(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
@@ -126,8 +132,10 @@ def mooncake_binary(name: str) -> Path:
         return candidate
     found = shutil.which(name)
     if found is None:
-        raise ProcessError(f"{name} not found: pip install 'switchyard[kv]' (Debian also needs "
-                           "libibverbs1 libnl-3-200 libnl-route-3-200)")
+        raise ProcessError(
+            f"{name} not found: pip install 'switchyard[kv]' (Debian also needs "
+            "libibverbs1 libnl-3-200 libnl-route-3-200)"
+        )
     return Path(found)
 
 
@@ -140,9 +148,10 @@ class MooncakePorts:
     host: str = "127.0.0.1"
 
     @classmethod
-    def pick(cls, host: str = "127.0.0.1") -> "MooncakePorts":
-        return cls(rpc=free_port(host), metadata=free_port(host), metrics=free_port(host),
-                   segment=free_port(host), host=host)
+    def pick(cls, host: str = "127.0.0.1") -> MooncakePorts:
+        return cls(
+            rpc=free_port(host), metadata=free_port(host), metrics=free_port(host), segment=free_port(host), host=host
+        )
 
     @property
     def master_address(self) -> str:
@@ -156,17 +165,32 @@ class MooncakePorts:
 def mooncake_master_command(ports: MooncakePorts) -> list[str]:
     # Note: this build's HTTP metadata server listens on every interface whatever host
     # it is given; keep the host's firewall closed to it.
-    return [str(mooncake_binary("mooncake_master")), f"--rpc_port={ports.rpc}",
-            "--enable_http_metadata_server=true", f"--http_metadata_server_host={ports.host}",
-            f"--http_metadata_server_port={ports.metadata}", f"--metrics_host={ports.host}",
-            f"--metrics_port={ports.metrics}", "--logtostderr=true", "--minloglevel=1"]
+    return [
+        str(mooncake_binary("mooncake_master")),
+        f"--rpc_port={ports.rpc}",
+        "--enable_http_metadata_server=true",
+        f"--http_metadata_server_host={ports.host}",
+        f"--http_metadata_server_port={ports.metadata}",
+        f"--metrics_host={ports.host}",
+        f"--metrics_port={ports.metrics}",
+        "--logtostderr=true",
+        "--minloglevel=1",
+    ]
 
 
 def mooncake_segment_command(ports: MooncakePorts, segment_bytes: int) -> list[str]:
     """The process that lends the store its memory (the engines lend none)."""
-    return [str(mooncake_binary("mooncake_client")), f"--master_server_address={ports.master_address}",
-            f"--metadata_server={ports.metadata_server}", f"--host={ports.host}", f"--port={ports.segment}",
-            f"--global_segment_size={segment_bytes // (1 << 20)}MB", "--protocol=tcp", "--logtostderr=true", "--minloglevel=1"]
+    return [
+        str(mooncake_binary("mooncake_client")),
+        f"--master_server_address={ports.master_address}",
+        f"--metadata_server={ports.metadata_server}",
+        f"--host={ports.host}",
+        f"--port={ports.segment}",
+        f"--global_segment_size={segment_bytes // (1 << 20)}MB",
+        "--protocol=tcp",
+        "--logtostderr=true",
+        "--minloglevel=1",
+    ]
 
 
 @dataclass(frozen=True)
@@ -179,13 +203,16 @@ class MooncakeStore:
 def mooncake_commands(ports: MooncakePorts, segment_bytes: int) -> list[tuple[str, list[str], tuple[int, ...]]]:
     """The store's processes in start order, each with the ports that say it is ready: the
     master (RPC and metadata server), then the segment, which registers through both."""
-    return [("mooncake-master", mooncake_master_command(ports), (ports.rpc, ports.metadata)),
-            ("mooncake-segment", mooncake_segment_command(ports, segment_bytes), (ports.segment,))]
+    return [
+        ("mooncake-master", mooncake_master_command(ports), (ports.rpc, ports.metadata)),
+        ("mooncake-segment", mooncake_segment_command(ports, segment_bytes), (ports.segment,)),
+    ]
 
 
 @contextmanager
-def mooncake_store(segment_bytes: int = 512 << 20, host: str = "127.0.0.1",
-                   stdout=subprocess.DEVNULL) -> Iterator[MooncakeStore]:
+def mooncake_store(
+    segment_bytes: int = 512 << 20, host: str = "127.0.0.1", stdout=subprocess.DEVNULL
+) -> Iterator[MooncakeStore]:
     """A private Mooncake Store on loopback: master, then a segment; stopped on exit."""
     ports = MooncakePorts.pick(host)
     started: list[subprocess.Popen] = []

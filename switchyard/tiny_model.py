@@ -57,11 +57,18 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec = TinyModelSpec(), *, 
     try:
         torch.manual_seed(spec.seed)
         config = LlamaConfig(
-            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-            max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
-            bos_token_id=None, eos_token_id=4095, pad_token_id=4093, torch_dtype="float32",
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=4095,
+            pad_token_id=4093,
+            torch_dtype="float32",
         )
         model = LlamaForCausalLM(config).to(torch.float32)
         model.save_pretrained(staging, safe_serialization=True)

@@ -39,51 +39,134 @@ def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, l
 
     resolve_defaults(args)  # engine-dependent defaults, for callers that parsed args themselves
     common = ["--nats", nats_url, "--log-level", args.log_level, "--trace-exporter", args.trace_exporter]
-    worker = [*common, "--engine", args.engine, "--model", str(args.model), "--block-size", str(args.block_size),
-              "--token-budget", str(args.token_budget), "--report-interval-s", str(args.report_interval_s),
-              "--min-publish-interval-s", str(args.min_publish_interval_s),
-              "--sim-prefill-base-s", str(args.sim_prefill_base_s),
-              "--sim-prefill-per-token-s", str(args.sim_prefill_per_token_s),
-              "--sim-decode-step-base-s", str(args.sim_decode_step_base_s),
-              "--sim-decode-step-per-seq-s", str(args.sim_decode_step_per_seq_s),
-              "--sim-cache-blocks", str(args.sim_cache_blocks),
-              "--sim-host-cache-blocks", str(args.sim_host_cache_blocks),
-              "--sim-host-fetch-per-token-s", str(args.sim_host_fetch_per_token_s)]
+    worker = [
+        *common,
+        "--engine",
+        args.engine,
+        "--model",
+        str(args.model),
+        "--block-size",
+        str(args.block_size),
+        "--token-budget",
+        str(args.token_budget),
+        "--report-interval-s",
+        str(args.report_interval_s),
+        "--min-publish-interval-s",
+        str(args.min_publish_interval_s),
+        "--sim-prefill-base-s",
+        str(args.sim_prefill_base_s),
+        "--sim-prefill-per-token-s",
+        str(args.sim_prefill_per_token_s),
+        "--sim-decode-step-base-s",
+        str(args.sim_decode_step_base_s),
+        "--sim-decode-step-per-seq-s",
+        str(args.sim_decode_step_per_seq_s),
+        "--sim-cache-blocks",
+        str(args.sim_cache_blocks),
+        "--sim-host-cache-blocks",
+        str(args.sim_host_cache_blocks),
+        "--sim-host-fetch-per-token-s",
+        str(args.sim_host_fetch_per_token_s),
+    ]
     if args.engine == "vllm":
         worker += vllm_worker_options(args)
-    commands = [("scheduler", procs.service_command(
-        "scheduler", *common, "--max-queued-tokens", str(args.max_queued_tokens),
-        "--worker-expiry-s", str(args.worker_expiry_s), "--policy", args.policy,
-        "--local-prefill-max-tokens", str(args.local_prefill_max_tokens), "--session-ttl-s", str(args.session_ttl_s),
-        "--session-max-load", str(args.session_max_load)))]
-    commands += [(f"prefill-{i}", procs.service_command("worker", "--role", "prefill", *worker))
-                 for i in range(args.prefill)]
-    commands += [(f"decode-{i}", procs.service_command("worker", "--role", "decode", *worker))
-                 for i in range(args.decode)]
-    commands.append(("ingress", procs.service_command(
-        "ingress", *common, "--model", str(args.model), "--served-model-name", args.served_model_name,
-        "--host", args.host, "--port", str(args.port), "--block-size", str(args.block_size),
-        "--max-body-bytes", str(args.max_body_bytes), "--default-max-tokens", str(args.default_max_tokens),
-        "--stream-idle-timeout-s", str(args.stream_idle_timeout_s),
-        "--key-scheme", "vllm-sha256-cbor" if args.engine == "vllm" else "blake2b", "--hash-seed", args.hash_seed)))
+    commands = [
+        (
+            "scheduler",
+            procs.service_command(
+                "scheduler",
+                *common,
+                "--max-queued-tokens",
+                str(args.max_queued_tokens),
+                "--worker-expiry-s",
+                str(args.worker_expiry_s),
+                "--policy",
+                args.policy,
+                "--local-prefill-max-tokens",
+                str(args.local_prefill_max_tokens),
+                "--session-ttl-s",
+                str(args.session_ttl_s),
+                "--session-max-load",
+                str(args.session_max_load),
+            ),
+        )
+    ]
+    commands += [
+        (f"prefill-{i}", procs.service_command("worker", "--role", "prefill", *worker)) for i in range(args.prefill)
+    ]
+    commands += [
+        (f"decode-{i}", procs.service_command("worker", "--role", "decode", *worker)) for i in range(args.decode)
+    ]
+    commands.append(
+        (
+            "ingress",
+            procs.service_command(
+                "ingress",
+                *common,
+                "--model",
+                str(args.model),
+                "--served-model-name",
+                args.served_model_name,
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--block-size",
+                str(args.block_size),
+                "--max-body-bytes",
+                str(args.max_body_bytes),
+                "--default-max-tokens",
+                str(args.default_max_tokens),
+                "--stream-idle-timeout-s",
+                str(args.stream_idle_timeout_s),
+                "--key-scheme",
+                "vllm-sha256-cbor" if args.engine == "vllm" else "blake2b",
+                "--hash-seed",
+                args.hash_seed,
+            ),
+        )
+    )
     return commands
 
 
 def vllm_worker_options(args: argparse.Namespace) -> list[str]:
     """The vllm engine's options, passed through to every worker (one pool config)."""
-    options = ["--kv-transfer", args.kv_transfer, "--dtype", args.dtype, "--seed", str(args.seed),
-               "--hash-seed", args.hash_seed, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-               "--tensor-parallel-size", str(args.tensor_parallel_size),
-               "--pipeline-parallel-size", str(args.pipeline_parallel_size),
-               "--data-parallel-size", str(args.data_parallel_size),
-               "--mooncake-master", args.mooncake_master, "--mooncake-metadata-server", args.mooncake_metadata_server,
-               "--lmcache-local-cpu-bytes", str(args.lmcache_local_cpu_bytes),
-               "--lmcache-disk-bytes", str(args.lmcache_disk_bytes),
-               "--handoff-timeout-s", str(args.handoff_timeout_s)]
-    for flag, value in (("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
-                        ("--kv-cache-bytes", args.kv_cache_bytes), ("--lmcache-disk-dir", args.lmcache_disk_dir),
-                        ("--speculative-method", args.speculative_method),
-                        ("--speculative-model", args.speculative_model)):
+    options = [
+        "--kv-transfer",
+        args.kv_transfer,
+        "--dtype",
+        args.dtype,
+        "--seed",
+        str(args.seed),
+        "--hash-seed",
+        args.hash_seed,
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+        "--pipeline-parallel-size",
+        str(args.pipeline_parallel_size),
+        "--data-parallel-size",
+        str(args.data_parallel_size),
+        "--mooncake-master",
+        args.mooncake_master,
+        "--mooncake-metadata-server",
+        args.mooncake_metadata_server,
+        "--lmcache-local-cpu-bytes",
+        str(args.lmcache_local_cpu_bytes),
+        "--lmcache-disk-bytes",
+        str(args.lmcache_disk_bytes),
+        "--handoff-timeout-s",
+        str(args.handoff_timeout_s),
+    ]
+    for flag, value in (
+        ("--max-model-len", args.max_model_len),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--kv-cache-bytes", args.kv_cache_bytes),
+        ("--lmcache-disk-dir", args.lmcache_disk_dir),
+        ("--speculative-method", args.speculative_method),
+        ("--speculative-model", args.speculative_model),
+    ):
         if value:
             options += [flag, str(value)]
     if args.speculative_method:
@@ -95,7 +178,7 @@ def vllm_worker_options(args: argparse.Namespace) -> list[str]:
     return options
 
 
-def _start_mooncake(args: argparse.Namespace, stack: ExitStack, children: list["_Child"]) -> None:
+def _start_mooncake(args: argparse.Namespace, stack: ExitStack, children: list[_Child]) -> None:
     """The Mooncake Store the vllm engine's KV goes through: a master and a segment process,
     supervised like every other child, started (and ready) before the workers."""
     ports = procs.MooncakePorts.pick()
@@ -122,7 +205,11 @@ def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
         with ExitStack() as stack:
             nats_url = args.nats or stack.enter_context(procs.nats_server()).url
             stack.callback(_stop_children, children)  # runs before NATS stops
-            if args.engine == "vllm" and args.kv_transfer in ("mooncake-store", "lmcache") and not args.mooncake_external:
+            if (
+                args.engine == "vllm"
+                and args.kv_transfer in ("mooncake-store", "lmcache")
+                and not args.mooncake_external
+            ):
                 _start_mooncake(args, stack, children)
             for name, command in child_commands(args, nats_url):
                 children.append(_Child(name, command, procs.spawn(command, env=procs.child_env())))
@@ -199,8 +286,11 @@ def _supervise(children: list[_Child], max_restarts: int) -> int:
                 print(f"switchyard: {child.name} exited with code {code}; stopping the stack", flush=True)
                 return 1
             delay = min(10.0, 2.0 ** (child.crashes - 1))
-            print(f"switchyard: {child.name} exited with code {code}; restarting it in {delay:.0f} s "
-                  f"({child.crashes} of {max_restarts})", flush=True)
+            print(
+                f"switchyard: {child.name} exited with code {code}; restarting it in {delay:.0f} s "
+                f"({child.crashes} of {max_restarts})",
+                flush=True,
+            )
             child.restart_at = now + delay
         time.sleep(0.2)
 

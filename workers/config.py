@@ -41,7 +41,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             if self.block_size != self.vllm.block_size:
                 raise ValueError(f"block_size {self.block_size} differs from the vllm engine's {self.vllm.block_size}")
 
-    def with_id(self) -> "WorkerConfig":
+    def with_id(self) -> WorkerConfig:
         """This config with a worker id, generated when none was given."""
         if self.worker_id:
             return self

@@ -54,8 +54,9 @@ class _Stream:
 
 
 class DecodeRole:
-    def __init__(self, engine: DecodeEngine, worker_id: str, token_budget: int,
-                 min_publish_interval_s: float = 0.001) -> None:
+    def __init__(
+        self, engine: DecodeEngine, worker_id: str, token_budget: int, min_publish_interval_s: float = 0.001
+    ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.token_budget = token_budget
@@ -144,16 +145,20 @@ class DecodeRole:
             log.exception("local prefill of %d failed", len(tasks))
             for task, span in jobs:
                 span.end()
-                await bus.event(PrefillFailed(worker_id=self.worker_id, request_id=task.spec.request_id,
-                                              message=f"prefill failed: {exc}"))
+                await bus.event(
+                    PrefillFailed(
+                        worker_id=self.worker_id, request_id=task.spec.request_id, message=f"prefill failed: {exc}"
+                    )
+                )
             return
         for (task, span), prefill, result in zip(jobs, tasks, results, strict=True):
             chunk, done = first_token(self.worker_id, prefill, result)
             await bus.stream(task.spec.ingress_id, [chunk])
             await bus.event(done)
             if not done.finished:  # its room was checked when it was offered
-                decode = DecodeTask(spec=task.spec, handle=result.handle, first_token=result.first_token,
-                                    usage=done.usage)
+                decode = DecodeTask(
+                    spec=task.spec, handle=result.handle, first_token=result.first_token, usage=done.usage
+                )
                 self._start(decode, trace.set_span_in_context(span))
             span.end()
 
@@ -184,18 +189,26 @@ class DecodeRole:
         for rid, stream in self._unsent.items():
             if self._streams.get(rid) is not stream:
                 continue  # cancelled since it stepped
-            by_ingress.setdefault(stream.ingress_id, []).append(StreamChunk(
-                request_id=rid, seq=stream.pending_seq, token_ids=stream.pending,
-                finish_reason=stream.finished))
+            by_ingress.setdefault(stream.ingress_id, []).append(
+                StreamChunk(
+                    request_id=rid, seq=stream.pending_seq, token_ids=stream.pending, finish_reason=stream.finished
+                )
+            )
             stream.pending = []
             if stream.finished is not None:
                 del self._streams[rid]
                 stream.span.set_attribute("switchyard.generated_tokens", stream.generated)
                 stream.span.end()
-                done.append(RequestFinished(worker_id=self.worker_id, request_id=rid,
-                                            generated_tokens=stream.generated, reason=stream.finished,
-                                            kv_expected_tokens=stream.kv_expected_tokens,
-                                            kv_loaded_tokens=stream.kv_loaded_tokens))
+                done.append(
+                    RequestFinished(
+                        worker_id=self.worker_id,
+                        request_id=rid,
+                        generated_tokens=stream.generated,
+                        reason=stream.finished,
+                        kv_expected_tokens=stream.kv_expected_tokens,
+                        kv_loaded_tokens=stream.kv_loaded_tokens,
+                    )
+                )
         self._unsent = {}
         for ingress_id, chunks in by_ingress.items():
             await bus.stream(ingress_id, chunks)

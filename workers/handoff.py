@@ -10,11 +10,27 @@ from switchyard.workers.engine import PrefillResult
 
 def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tuple[StreamChunk, PrefillDone]:
     spec = task.spec
-    usage = PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=result.cached_tokens,
-                        queued_s=task.queued_s, prefill_s=result.prefill_s, batch_tokens=result.batch_tokens)
+    usage = PromptUsage(
+        prompt_tokens=len(spec.prompt_tokens),
+        cached_tokens=result.cached_tokens,
+        queued_s=task.queued_s,
+        prefill_s=result.prefill_s,
+        batch_tokens=result.batch_tokens,
+    )
     finished = spec.sampling.max_tokens <= 1
-    chunk = StreamChunk(request_id=spec.request_id, seq=0, token_ids=[result.first_token],
-                        finish_reason="length" if finished else None, usage=usage)
-    done = PrefillDone(worker_id=worker_id, request_id=spec.request_id, handle=result.handle,
-                       first_token=result.first_token, usage=usage, finished=finished)
+    chunk = StreamChunk(
+        request_id=spec.request_id,
+        seq=0,
+        token_ids=[result.first_token],
+        finish_reason="length" if finished else None,
+        usage=usage,
+    )
+    done = PrefillDone(
+        worker_id=worker_id,
+        request_id=spec.request_id,
+        handle=result.handle,
+        first_token=result.first_token,
+        usage=usage,
+        finished=finished,
+    )
     return chunk, done

@@ -23,7 +23,16 @@ from nats.aio.client import Client
 from nats.errors import MaxPayloadError
 
 from switchyard.observability.bus import BusStats, connect, decoded, subscribe
-from switchyard.schemas import EngineStats, LoadReport, StreamBatch, StreamChunk, WorkerLeaving, WorkerTask, codec, subjects
+from switchyard.schemas import (
+    EngineStats,
+    LoadReport,
+    StreamBatch,
+    StreamChunk,
+    WorkerLeaving,
+    WorkerTask,
+    codec,
+    subjects,
+)
 from switchyard.schemas.messages import TaskAck, WorkerEvent
 from switchyard.workers.config import WorkerConfig
 from switchyard.workers.engine import EngineLifecycle
@@ -47,7 +56,7 @@ class Role(Protocol):
 
     def cancel(self, request_id: str) -> None: ...
 
-    async def serve(self, bus: "WorkerBus") -> None:
+    async def serve(self, bus: WorkerBus) -> None:
         """The engine loop; runs until cancelled."""
         ...
 
@@ -136,7 +145,7 @@ class WorkerRuntime:
         await nc.flush()
         tg.start_soon(self._heartbeat, bus)
 
-    async def _publish_kv_pushes(self, cache: "PushedKvCache", bus: WorkerBus) -> None:
+    async def _publish_kv_pushes(self, cache: PushedKvCache, bus: WorkerBus) -> None:
         """An engine that reports its cache changes on its own time (vLLM's events come
         from its core process): publish them as they come, not only after a batch."""
         while True:
@@ -169,8 +178,9 @@ class WorkerRuntime:
                 await msg.respond(codec.KV_SNAPSHOT.encode(snapshot))
             except MaxPayloadError:
                 # Too big for one message: the scheduler times out and keeps what it had.
-                log.error("KV snapshot of %d blocks exceeds the NATS max payload",
-                          sum(map(len, snapshot.blocks.values())))
+                log.error(
+                    "KV snapshot of %d blocks exceeds the NATS max payload", sum(map(len, snapshot.blocks.values()))
+                )
 
     async def _heartbeat(self, bus: WorkerBus) -> None:
         while True:
@@ -180,14 +190,23 @@ class WorkerRuntime:
     async def _report(self, bus: WorkerBus) -> None:
         cfg = self.config
         self._seq += 1
-        await bus.event(LoadReport(
-            worker_id=cfg.worker_id, role=cfg.role, seq=self._seq, engine=cfg.engine,
-            model=cfg.model, block_size=cfg.block_size, token_budget=cfg.token_budget,
-            inflight_tokens=self.role.inflight_tokens(), running=self.role.running(),
-            interval_s=cfg.report_interval_s, kv_seq=self.kv.seq,
-            boot_s=getattr(getattr(self.role, "engine", None), "boot_s", 0.0),
-            stats=self._engine_stats(),
-        ))
+        await bus.event(
+            LoadReport(
+                worker_id=cfg.worker_id,
+                role=cfg.role,
+                seq=self._seq,
+                engine=cfg.engine,
+                model=cfg.model,
+                block_size=cfg.block_size,
+                token_budget=cfg.token_budget,
+                inflight_tokens=self.role.inflight_tokens(),
+                running=self.role.running(),
+                interval_s=cfg.report_interval_s,
+                kv_seq=self.kv.seq,
+                boot_s=getattr(getattr(self.role, "engine", None), "boot_s", 0.0),
+                stats=self._engine_stats(),
+            )
+        )
 
     def _engine_stats(self) -> EngineStats | None:
         counters = getattr(getattr(self.role, "engine", None), "counters", None)

@@ -115,10 +115,15 @@ class SimEngine:
 
     def _result(self, task: PrefillTask, cached: int, elapsed: float, batch_tokens: int) -> PrefillResult:
         spec = task.spec
-        handle = SimKvHandle(worker_id=self.worker_id, block_keys=spec.block_keys,
-                             num_tokens=len(spec.prompt_tokens))
-        return PrefillResult(request_id=spec.request_id, first_token=self.token(sampling_key(task), 0),
-                             cached_tokens=cached, handle=handle, prefill_s=elapsed, batch_tokens=batch_tokens)
+        handle = SimKvHandle(worker_id=self.worker_id, block_keys=spec.block_keys, num_tokens=len(spec.prompt_tokens))
+        return PrefillResult(
+            request_id=spec.request_id,
+            first_token=self.token(sampling_key(task), 0),
+            cached_tokens=cached,
+            handle=handle,
+            prefill_s=elapsed,
+            batch_tokens=batch_tokens,
+        )
 
     def _hits(self, task: PrefillTask) -> tuple[int, int]:
         """Tokens of the prompt's leading blocks found on the device tier and on the host
@@ -167,8 +172,12 @@ class SimEngine:
         are in this worker's cache now, where the next turn of a conversation may hit."""
         spec = task.spec
         self._remember(spec.block_keys)
-        seq = _Sequence(key=sampling_key(task), next_position=1, max_tokens=spec.sampling.max_tokens,
-                        tokens=len(spec.prompt_tokens) + spec.sampling.max_tokens)
+        seq = _Sequence(
+            key=sampling_key(task),
+            next_position=1,
+            max_tokens=spec.sampling.max_tokens,
+            tokens=len(spec.prompt_tokens) + spec.sampling.max_tokens,
+        )
         self._running[spec.request_id] = seq
         self._held += seq.tokens
 
@@ -185,8 +194,7 @@ class SimEngine:
             position = seq.next_position
             seq.next_position += 1
             done = seq.next_position >= seq.max_tokens
-            outputs.append(StepOutput(rid, self.token(seq.key, position), position,
-                                      "length" if done else None))
+            outputs.append(StepOutput(rid, self.token(seq.key, position), position, "length" if done else None))
             if done:
                 self.abort(rid)
         return outputs

@@ -87,12 +87,18 @@ class ParallelSettings(msgspec.Struct, frozen=True, kw_only=True):
     def check_devices(self, available: int) -> None:
         """Fail early when this host has fewer accelerators than the engine spans."""
         if available and self.devices > available:
-            raise ValueError(f"tensor {self.tensor} x pipeline {self.pipeline} x data {self.data} "
-                             f"= {self.devices} devices, but this host has {available}")
+            raise ValueError(
+                f"tensor {self.tensor} x pipeline {self.pipeline} x data {self.data} "
+                f"= {self.devices} devices, but this host has {available}"
+            )
 
     def engine_args(self) -> dict[str, Any]:
-        return {"tensor_parallel_size": self.tensor, "pipeline_parallel_size": self.pipeline,
-                "data_parallel_size": self.data, "enable_expert_parallel": self.expert}
+        return {
+            "tensor_parallel_size": self.tensor,
+            "pipeline_parallel_size": self.pipeline,
+            "data_parallel_size": self.data,
+            "enable_expert_parallel": self.expert,
+        }
 
 
 class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,9 +113,15 @@ class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True):
     def store_config(self) -> dict[str, Any]:
         """vLLM's Mooncake config file (``MOONCAKE_CONFIG_PATH``): the engine contributes no
         memory; a ``mooncake_client`` process owns the store's segment."""
-        return {"metadata_server": self.metadata_server, "master_server_address": self.master,
-                "protocol": self.protocol, "device_name": self.device_name, "mode": "standalone-store",
-                "global_segment_size": 0, "local_buffer_size": self.local_buffer_bytes}
+        return {
+            "metadata_server": self.metadata_server,
+            "master_server_address": self.master,
+            "protocol": self.protocol,
+            "device_name": self.device_name,
+            "mode": "standalone-store",
+            "global_segment_size": 0,
+            "local_buffer_size": self.local_buffer_bytes,
+        }
 
 
 class LmcacheSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -176,9 +188,14 @@ class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def engine_args(self, model: str, role: str, work_dir: Path, kv_events_endpoint: str | None) -> dict[str, Any]:
         """Keyword arguments of vLLM's ``AsyncEngineArgs``."""
         args: dict[str, Any] = {
-            "model": model, "dtype": self.dtype, "seed": self.seed, "block_size": self.block_size,
-            "enable_prefix_caching": True, "prefix_caching_hash_algo": "sha256_cbor",
-            "enforce_eager": self.enforce_eager, "gpu_memory_utilization": self.gpu_memory_utilization,
+            "model": model,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "enable_prefix_caching": True,
+            "prefix_caching_hash_algo": "sha256_cbor",
+            "enforce_eager": self.enforce_eager,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
             **self.parallel.engine_args(),
         }
         if self.max_model_len is not None:
@@ -193,8 +210,12 @@ class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.speculative is not None and role != "prefill":  # prefill emits one token: nothing to speculate
             args["speculative_config"] = self.speculative.engine_config()
         if kv_events_endpoint is not None:
-            args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                        "endpoint": kv_events_endpoint, "topic": "kv"}
+            args["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": kv_events_endpoint,
+                "topic": "kv",
+            }
         return args
 
     def environment(self, work_dir: Path) -> dict[str, str | None]:

@@ -134,7 +134,7 @@ class VllmKvEvents:
             self._stored.clear()
             try:
                 await asyncio.wait_for(self._stored.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return self.holds(tier, keys)
         return True
 
@@ -245,8 +245,9 @@ class VllmEngine:
         endpoint = f"ipc://{work_dir / 'kv-events.sock'}"
         self._kv_events = VllmKvEvents(endpoint)
         self._bridge = asyncio.create_task(self._kv_events.run())
-        args = AsyncEngineArgs(**self.config.engine_args(self.model, self.role, work_dir, endpoint),
-                               disable_log_stats=True)
+        args = AsyncEngineArgs(
+            **self.config.engine_args(self.model, self.role, work_dir, endpoint), disable_log_stats=True
+        )
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.counters)])
         self.boot_s = time.monotonic() - started
         log.info("vLLM engine (%s, kv %s) ready in %.1f s", self.role, self.config.kv_transfer, self.boot_s)
@@ -280,18 +281,26 @@ class VllmEngine:
         outputs = await asyncio.gather(*(self._prefill_one(task) for task in tasks))
         elapsed = time.monotonic() - started
         batch_tokens = sum(len(task.spec.prompt_tokens) - cached for task, (_, cached, _) in zip(tasks, outputs))
-        return [PrefillResult(request_id=task.spec.request_id, first_token=token, cached_tokens=cached,
-                              handle=self._handle(task.spec, params), prefill_s=elapsed,
-                              batch_tokens=batch_tokens)
-                for task, (token, cached, params) in zip(tasks, outputs)]
+        return [
+            PrefillResult(
+                request_id=task.spec.request_id,
+                first_token=token,
+                cached_tokens=cached,
+                handle=self._handle(task.spec, params),
+                prefill_s=elapsed,
+                batch_tokens=batch_tokens,
+            )
+            for task, (token, cached, params) in zip(tasks, outputs)
+        ]
 
     async def _prefill_one(self, task: PrefillTask) -> tuple[int, int, dict | None]:
         spec = task.spec
         extra = {"kv_transfer_params": {"do_remote_decode": True}} if self.config.kv_transfer == "nixl" else None
         params = self._sampling(spec, max_tokens=1, extra_args=extra)
         final = None
-        async for output in self._engine.generate(self._prompt(spec, spec.prompt_tokens), params,
-                                                  self._request_id(spec)):
+        async for output in self._engine.generate(
+            self._prompt(spec, spec.prompt_tokens), params, self._request_id(spec)
+        ):
             final = output
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             raise RuntimeError(f"vLLM returned no token for {spec.request_id}")
@@ -309,21 +318,29 @@ class VllmEngine:
         waiting: list[int] = []
         for task, result in zip(tasks, results):
             spec = task.spec
-            hashes = vllm_block_hashes(spec.prompt_tokens, block, cache_salt_for(spec.tenant, spec.model),
-                                       self.config.hash_seed)
+            hashes = vllm_block_hashes(
+                spec.prompt_tokens, block, cache_salt_for(spec.tenant, spec.model), self.config.hash_seed
+            )
             # Blocks served from a cache were stored when first computed; the new ones are due.
-            waiting += [key_of_digest(h) for h in hashes[result.cached_tokens // block:]]
+            waiting += [key_of_digest(h) for h in hashes[result.cached_tokens // block :]]
         if not waiting:
             return
         timeout = self.config.handoff_timeout_s
         if not await self._kv_events.wait_stored("cluster", waiting, timeout):
             missing = len(set(waiting) - set(self._kv_events.cached_blocks().get("cluster", [])))
-            log.warning("%d of %d blocks not in the Mooncake Store after %.1f s: handing over anyway",
-                        missing, len(waiting), timeout)
+            log.warning(
+                "%d of %d blocks not in the Mooncake Store after %.1f s: handing over anyway",
+                missing,
+                len(waiting),
+                timeout,
+            )
 
     def _handle(self, spec: RequestSpec, params: dict | None):
-        common = {"worker_id": self.worker_id, "num_tokens": len(spec.prompt_tokens),
-                  "block_size": self.config.block_size}
+        common = {
+            "worker_id": self.worker_id,
+            "num_tokens": len(spec.prompt_tokens),
+            "block_size": self.config.block_size,
+        }
         if self.config.kv_transfer == "lmcache":
             return LmcacheKvHandle(**common)
         if self.config.kv_transfer == "nixl":
@@ -370,30 +387,50 @@ class VllmEngine:
         rid = spec.request_id
         expected = 0 if self.config.kv_transfer == "none" else _expected_loaded(task, self.worker_id)
         extra = decode_transfer_args(task.handle)
-        params = self._sampling(spec, max_tokens=spec.sampling.max_tokens - 1, extra_args=extra,
-                                kind=RequestOutputKind.DELTA)
+        params = self._sampling(
+            spec, max_tokens=spec.sampling.max_tokens - 1, extra_args=extra, kind=RequestOutputKind.DELTA
+        )
         position, loaded = 1, None
         try:
-            async for output in self._engine.generate(self._prompt(spec, [*spec.prompt_tokens, task.first_token]),
-                                                      params, self._request_id(spec)):
+            async for output in self._engine.generate(
+                self._prompt(spec, [*spec.prompt_tokens, task.first_token]), params, self._request_id(spec)
+            ):
                 if loaded is None:
                     loaded = output.num_cached_tokens or 0
                     if loaded < expected:
-                        log.warning("%s: KV handed over for %d prompt tokens, engine loaded %d: recomputed",
-                                    rid, expected, loaded)
+                        log.warning(
+                            "%s: KV handed over for %d prompt tokens, engine loaded %d: recomputed",
+                            rid,
+                            expected,
+                            loaded,
+                        )
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
                 reason = _FINISH.get(completion.finish_reason, "stop") if output.finished else None
                 for i, token in enumerate(tokens):
                     last = i == len(tokens) - 1
-                    self._emit(StepOutput(request_id=rid, token=token, position=position,
-                                          finished=reason if last else None,
-                                          kv_expected_tokens=expected if last and reason else 0,
-                                          kv_loaded_tokens=min(loaded, expected) if last and reason else 0))
+                    self._emit(
+                        StepOutput(
+                            request_id=rid,
+                            token=token,
+                            position=position,
+                            finished=reason if last else None,
+                            kv_expected_tokens=expected if last and reason else 0,
+                            kv_loaded_tokens=min(loaded, expected) if last and reason else 0,
+                        )
+                    )
                     position += 1
                 if output.finished and not tokens:  # finished with nothing new: close the stream
-                    self._emit(StepOutput(request_id=rid, token=None, position=position, finished=reason or "stop",
-                                          kv_expected_tokens=expected, kv_loaded_tokens=min(loaded, expected)))
+                    self._emit(
+                        StepOutput(
+                            request_id=rid,
+                            token=None,
+                            position=position,
+                            finished=reason or "stop",
+                            kv_expected_tokens=expected,
+                            kv_loaded_tokens=min(loaded, expected),
+                        )
+                    )
         except Exception:
             log.exception("%s: decode failed", rid)
             self._emit(StepOutput(request_id=rid, token=None, position=position, finished="abort"))
@@ -422,8 +459,14 @@ class VllmEngine:
             params = dict(extra_args.get("kv_transfer_params") or {})
             params["lmcache.tag.salt"] = cache_salt_for(spec.tenant, spec.model)
             extra_args["kv_transfer_params"] = params
-        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                                  "seed": s.seed, "detokenize": False, "extra_args": extra_args}
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "seed": s.seed,
+            "detokenize": False,
+            "extra_args": extra_args,
+        }
         if kind is not None:
             kwargs["output_kind"] = kind
         return SamplingParams(**kwargs)

@@ -93,20 +93,50 @@ _WORDS = list(dict.fromkeys(_WORDS))  # drop repeats, keeping first-seen order (
 # Non-ASCII snippets so the BPE learns some multi-byte merges; streaming detokenization is only
 # exercised properly when tokens can end in the middle of a UTF-8 character.
 _UNICODE_SNIPPETS = [
-    "café", "naïve", "résumé", "über", "façade", "jalapeño", "Zürich", "São Paulo",
-    "日本語のテキスト", "こんにちは世界", "你好，世界", "中文分词", "안녕하세요", "Привет, мир",
-    "Ελληνικά", "שלום", "مرحبا", "नमस्ते", "😀", "🚀", "👍", "🎉", "❤️", "—", "…", "“quoted”",
-    "±", "°C", "€", "£", "→", "≤", "≥", "×",
+    "café",
+    "naïve",
+    "résumé",
+    "über",
+    "façade",
+    "jalapeño",
+    "Zürich",
+    "São Paulo",
+    "日本語のテキスト",
+    "こんにちは世界",
+    "你好，世界",
+    "中文分词",
+    "안녕하세요",
+    "Привет, мир",
+    "Ελληνικά",
+    "שלום",
+    "مرحبا",
+    "नमस्ते",
+    "😀",
+    "🚀",
+    "👍",
+    "🎉",
+    "❤️",
+    "—",
+    "…",
+    "“quoted”",
+    "±",
+    "°C",
+    "€",
+    "£",
+    "→",
+    "≤",
+    "≥",
+    "×",
 ]
 
 _CODE_SNIPPETS = [
-    'def f(x):\n    return x + 1\n',
+    "def f(x):\n    return x + 1\n",
     '{"role": "user", "content": "hello"}',
     "for i in range(10):\n    print(i)\n",
     "if err != nil {\n\treturn err\n}\n",
     "SELECT id, name FROM users WHERE id = 42;",
     "https://example.com/v1/chat/completions",
-    "<div class=\"main\">text</div>",
+    '<div class="main">text</div>',
     "x = [1, 2, 3]  # list",
 ]
 
@@ -165,9 +195,7 @@ def train() -> Tokenizer:
     )
     tokenizer.train_from_iterator(corpus(), trainer=trainer)
     # Appended after training so they take the ids after the ordinary vocabulary.
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    )
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tokenizer
 
 

@@ -13,9 +13,9 @@ from switchyard.kvbus.keys import block_keys, salt_for
 from switchyard.observability.bus import connect
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
 from switchyard.schemas import BlocksStored, KvEventBatch, RequestSpec, SamplingParams, SubmitRequest, codec, subjects
-from tests.support.stack import MODEL, worker_config
 from switchyard.workers import build_worker
 from switchyard.workers.runtime import WorkerRuntime
+from tests.support.stack import MODEL, worker_config
 
 pytestmark = pytest.mark.anyio
 
@@ -25,8 +25,15 @@ PREFIX = [1000 + i for i in range(8 * BLOCK)]  # eight blocks every prompt here 
 
 def _spec(rid: str, prompt: list[int]) -> RequestSpec:
     keys = list(block_keys(prompt, BLOCK, salt_for("default", MODEL)))
-    return RequestSpec(request_id=rid, ingress_id="ing-kv", model=MODEL, prompt_tokens=prompt,
-                       block_size=BLOCK, block_keys=keys, sampling=SamplingParams(max_tokens=2))
+    return RequestSpec(
+        request_id=rid,
+        ingress_id="ing-kv",
+        model=MODEL,
+        prompt_tokens=prompt,
+        block_size=BLOCK,
+        block_keys=keys,
+        sampling=SamplingParams(max_tokens=2),
+    )
 
 
 def _prompt(tail: int, blocks: int = 3) -> list[int]:
@@ -66,8 +73,11 @@ def _device_blocks(sched: SchedulerService, worker: WorkerRuntime, spec: Request
 
 
 def _fleet(url: str) -> tuple[SchedulerService, WorkerRuntime, WorkerRuntime]:
-    return (SchedulerService(SchedulerServiceConfig(nats_url=url)),
-            build_worker(worker_config(url, "prefill")), build_worker(worker_config(url, "decode")))
+    return (
+        SchedulerService(SchedulerServiceConfig(nats_url=url)),
+        build_worker(worker_config(url, "prefill")),
+        build_worker(worker_config(url, "decode")),
+    )
 
 
 async def _known(sched: SchedulerService, *workers: WorkerRuntime) -> None:

@@ -12,16 +12,23 @@ from switchyard.observability.bus import BusStats, connect
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
 from switchyard.schemas import LoadReport, RequestSpec, SamplingParams, SubmitRequest, codec, subjects
-from tests.support.stack import worker_config
 from switchyard.workers import build_worker
+from tests.support.stack import worker_config
 
 pytestmark = pytest.mark.anyio
 
 
 def _spec(rid: str, ingress: str = "ing-test", tokens: int = 40, max_tokens: int = 4) -> RequestSpec:
     prompt = list(range(300, 300 + tokens))
-    return RequestSpec(request_id=rid, ingress_id=ingress, model="switchyard-sim", prompt_tokens=prompt,
-                       block_size=16, block_keys=[], sampling=SamplingParams(max_tokens=max_tokens))
+    return RequestSpec(
+        request_id=rid,
+        ingress_id=ingress,
+        model="switchyard-sim",
+        prompt_tokens=prompt,
+        block_size=16,
+        block_keys=[],
+        sampling=SamplingParams(max_tokens=max_tokens),
+    )
 
 
 def _keyed(spec: RequestSpec, shift: int = 0) -> RequestSpec:
@@ -34,8 +41,18 @@ def _keyed(spec: RequestSpec, shift: int = 0) -> RequestSpec:
 
 async def _register_impostor(nc, worker_id: str) -> None:
     """One heartbeat of an idle, roomy prefill worker that is not really there."""
-    report = LoadReport(worker_id=worker_id, role="prefill", seq=1, engine="sim", model="m", block_size=16,
-                        token_budget=1_000_000, inflight_tokens=0, running=0, interval_s=0.1)
+    report = LoadReport(
+        worker_id=worker_id,
+        role="prefill",
+        seq=1,
+        engine="sim",
+        model="m",
+        block_size=16,
+        token_budget=1_000_000,
+        inflight_tokens=0,
+        running=0,
+        interval_s=0.1,
+    )
     await nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(report))
 
 
@@ -95,8 +112,7 @@ async def test_a_request_flows_through_prefill_and_decode(nats):
 
 
 async def test_graceful_stop_says_leaving(nats):
-    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url,
-                                                    core=SchedulerConfig(worker_expiry_s=60)))
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url, core=SchedulerConfig(worker_expiry_s=60)))
     async with anyio.create_task_group() as tg:
         await tg.start(sched.run)
         async with anyio.create_task_group() as workers:
@@ -109,8 +125,9 @@ async def test_graceful_stop_says_leaving(nats):
 
 
 async def test_silent_worker_expires_and_its_prefill_is_redone_elsewhere(nats):
-    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.3,
-                                                    core=SchedulerConfig(worker_expiry_s=0.5)))
+    sched = SchedulerService(
+        SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.3, core=SchedulerConfig(worker_expiry_s=0.5))
+    )
     async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
         await tg.start(sched.run)
         await tg.start(build_worker(worker_config(nats.url, "decode")).run)
@@ -143,8 +160,9 @@ async def test_slow_consumer_drops_are_counted(nats):
 
 
 async def test_a_worker_that_never_acks_times_out_and_its_prefill_is_redone(nats):
-    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.3,
-                                                    core=SchedulerConfig(worker_expiry_s=60)))
+    sched = SchedulerService(
+        SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.3, core=SchedulerConfig(worker_expiry_s=60))
+    )
     async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
         await tg.start(sched.run)
         await tg.start(build_worker(worker_config(nats.url, "decode")).run)
@@ -163,8 +181,11 @@ async def test_a_worker_that_never_acks_times_out_and_its_prefill_is_redone(nats
 
 
 async def test_a_short_prompt_is_prefilled_and_decoded_by_its_decode_worker(nats):
-    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.5,
-                                                    core=SchedulerConfig(local_prefill_max_tokens=64)))
+    sched = SchedulerService(
+        SchedulerServiceConfig(
+            nats_url=nats.url, dispatch_timeout_s=0.5, core=SchedulerConfig(local_prefill_max_tokens=64)
+        )
+    )
     async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
         await tg.start(sched.run)
         await tg.start(build_worker(worker_config(nats.url, "decode")).run)
@@ -182,8 +203,7 @@ async def test_a_short_prompt_is_prefilled_and_decoded_by_its_decode_worker(nats
 
 async def test_session_bindings_survive_a_scheduler_restart(nats):
     def service():
-        return SchedulerService(SchedulerServiceConfig(nats_url=nats.url,
-                                                       core=SchedulerConfig(policy="round_robin")))
+        return SchedulerService(SchedulerServiceConfig(nats_url=nats.url, core=SchedulerConfig(policy="round_robin")))
 
     async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
         for _ in range(3):
@@ -235,6 +255,10 @@ async def test_the_index_learns_what_moved_down_to_the_host_tier(nats):
             await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec)))
             await _wait(lambda: not sched.core.requests)
         wid = prefill.config.worker_id
-        await _wait(lambda: (m := sched.core.index.match(first.block_keys).get(wid)) is not None
-                    and (m.device_blocks, m.blocks) == (0, 3))
+        await _wait(
+            lambda: (
+                (m := sched.core.index.match(first.block_keys).get(wid)) is not None
+                and (m.device_blocks, m.blocks) == (0, 3)
+            )
+        )
         tg.cancel_scope.cancel()

@@ -7,17 +7,23 @@ from __future__ import annotations
 import json
 import subprocess
 
+from switchyard import procs
 from switchyard.bench.live import Scaling
 from switchyard.bench.traces import TraceRequest
-from switchyard import procs
 
 
 def _trace(path) -> None:
     rows = []
     for i in range(24):
         shared = [1, 2, 3, 4]  # every request opens with the same 2048-token prefix
-        rows.append({"timestamp": i * 100, "input_length": 512 * 6, "output_length": 64,
-                     "hash_ids": shared + [1000 + 2 * i, 1001 + 2 * i]})
+        rows.append(
+            {
+                "timestamp": i * 100,
+                "input_length": 512 * 6,
+                "output_length": 64,
+                "hash_ids": shared + [1000 + 2 * i, 1001 + 2 * i],
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -34,10 +40,28 @@ def test_bench_live_replays_through_the_stack_and_its_simulation(tmp_path) -> No
     trace = tmp_path / "tiny.jsonl"
     _trace(trace)
     out = tmp_path / "live"
-    run = subprocess.run(procs.service_command("bench", "live", "--trace", str(trace), "--out", str(out),
-                                               "--prefill", "2", "--decode", "1", "--time-scale", "0.05",
-                                               "--policies", "least_tokens,switchyard"),
-                         capture_output=True, text=True, timeout=240, env=procs.child_env())
+    run = subprocess.run(
+        procs.service_command(
+            "bench",
+            "live",
+            "--trace",
+            str(trace),
+            "--out",
+            str(out),
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--time-scale",
+            "0.05",
+            "--policies",
+            "least_tokens,switchyard",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=procs.child_env(),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads((out / "results.json").read_text())
     assert [row["policy"] for row in rows] == ["least_tokens", "switchyard"]

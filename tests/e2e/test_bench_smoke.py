@@ -14,9 +14,26 @@ from switchyard import procs
 
 def test_bench_overhead_quick_run_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "overhead"
-    run = subprocess.run(procs.service_command("bench", "overhead", "--out", str(out), "--ttft-requests", "15",
-                                               "--seconds", "1", "--concurrency", "1,8", "--stream-tokens", "32"),
-                         capture_output=True, text=True, timeout=180, env=procs.child_env())
+    run = subprocess.run(
+        procs.service_command(
+            "bench",
+            "overhead",
+            "--out",
+            str(out),
+            "--ttft-requests",
+            "15",
+            "--seconds",
+            "1",
+            "--concurrency",
+            "1,8",
+            "--stream-tokens",
+            "32",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=procs.child_env(),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "time to first token" in run.stdout and "streamed tokens/s" in run.stdout
     results = json.loads((out / "results.json").read_text())

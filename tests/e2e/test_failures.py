@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from switchyard.scheduler.config import SchedulerConfig
 from switchyard import procs
-from tests.support.stack import MODEL, running_stack, wait_until
+from switchyard.scheduler.config import SchedulerConfig
 from switchyard.workers.sim import SimCostModel
+from tests.support.stack import MODEL, running_stack, wait_until
 
 SLOW_DECODE = SimCostModel(decode_step_base_s=0.02)  # 50 tokens/s per stream
 PROMPT = [{"role": "user", "content": "Count the wagons in the yard."}]
@@ -22,8 +22,12 @@ PROMPT = [{"role": "user", "content": "Count the wagons in the yard."}]
 
 def _worker_process(nats_url: str, role: str, *flags: str) -> subprocess.Popen:
     """A worker in its own process, so that a test can SIGKILL it."""
-    return procs.spawn(procs.service_command("worker", "--role", role, "--nats", nats_url, "--report-interval-s",
-                                             "0.1", "--log-level", "warning", *flags), env=procs.child_env())
+    return procs.spawn(
+        procs.service_command(
+            "worker", "--role", role, "--nats", nats_url, "--report-interval-s", "0.1", "--log-level", "warning", *flags
+        ),
+        env=procs.child_env(),
+    )
 
 
 def _client(stack) -> openai.OpenAI:
@@ -42,8 +46,12 @@ def test_disconnect_cancels_on_every_worker(nats):
         assert decode.role.running() == 1  # still generating while we hold the stream
         stream.close()  # the client goes away mid-stream
         assert wait_until(lambda: all(w.role.running() == 0 for w in stack.workers), timeout_s=5)
-        assert wait_until(lambda: stack.scheduler.core.status().workers[0].inflight_tokens == 0
-                          and all(w.inflight_tokens == 0 for w in stack.scheduler.core.status().workers))
+        assert wait_until(
+            lambda: (
+                stack.scheduler.core.status().workers[0].inflight_tokens == 0
+                and all(w.inflight_tokens == 0 for w in stack.scheduler.core.status().workers)
+            )
+        )
         assert wait_until(lambda: len(stack.ingress.router) == 0)
 
 
@@ -61,8 +69,7 @@ def test_decode_worker_killed_mid_stream_gives_an_error_event(nats):
         child = _worker_process(nats.url, "decode", "--sim-decode-step-base-s", "0.02")
         try:
             stack.wait_healthy(prefill=1, decode=1, timeout_s=20)
-            stream = _client(stack).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2000,
-                                                            stream=True)
+            stream = _client(stack).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2000, stream=True)
             received, started = 0, time.monotonic()
             with pytest.raises(openai.APIError) as info:
                 for _ in stream:
@@ -85,10 +92,15 @@ def test_prefill_worker_lost_before_prefill_is_retried_elsewhere(nats):
         try:
             stack.wait_healthy(prefill=1, decode=1, timeout_s=20)
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(_client(stack).chat.completions.create, model=MODEL, messages=PROMPT,
-                                      max_tokens=3)
-                assert wait_until(lambda: any(w.role == "prefill" and w.inflight_tokens
-                                              for w in stack.scheduler.core.status().workers), timeout_s=5)
+                pending = pool.submit(
+                    _client(stack).chat.completions.create, model=MODEL, messages=PROMPT, max_tokens=3
+                )
+                assert wait_until(
+                    lambda: any(
+                        w.role == "prefill" and w.inflight_tokens for w in stack.scheduler.core.status().workers
+                    ),
+                    timeout_s=5,
+                )
                 from tests.support.stack import worker_config
 
                 stack.add_worker(worker_config(nats.url, "prefill", slow_prefill))
@@ -101,14 +113,19 @@ def test_prefill_worker_lost_before_prefill_is_retried_elsewhere(nats):
 
 def test_overload_gets_429_with_retry_after(nats):
     slow_prefill = SimCostModel(prefill_per_token_s=0.02)  # ~0.2 s per prompt here
-    with running_stack(nats.url, prefill_cost=slow_prefill, worker_overrides={"token_budget": 32},
-                       scheduler=SchedulerConfig(max_queued_tokens=64)) as stack:
+    with running_stack(
+        nats.url,
+        prefill_cost=slow_prefill,
+        worker_overrides={"token_budget": 32},
+        scheduler=SchedulerConfig(max_queued_tokens=64),
+    ) as stack:
         client = _client(stack)
 
         def call(_):
             try:
-                return client.completions.create(model=MODEL, max_tokens=2,
-                                                 prompt="one two three four five six seven eight nine")
+                return client.completions.create(
+                    model=MODEL, max_tokens=2, prompt="one two three four five six seven eight nine"
+                )
             except openai.RateLimitError as exc:
                 return exc
 
@@ -128,22 +145,28 @@ def test_a_request_queued_past_its_deadline_gets_504(nats):
     with running_stack(nats.url, prefill_cost=slow_prefill, worker_overrides={"token_budget": 8}) as stack:
         client = _client(stack)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            blocker = pool.submit(client.completions.create, model=MODEL, prompt="occupy the only worker",
-                                  max_tokens=2)
+            blocker = pool.submit(client.completions.create, model=MODEL, prompt="occupy the only worker", max_tokens=2)
             assert wait_until(lambda: any(w.inflight_tokens for w in stack.scheduler.core.status().workers))
-            response = httpx.post(stack.base_url + "/completions", timeout=30,
-                                  headers={"x-switchyard-deadline-s": "0.5", "x-switchyard-priority": "batch"},
-                                  json={"model": MODEL, "prompt": "too late", "max_tokens": 2})
+            response = httpx.post(
+                stack.base_url + "/completions",
+                timeout=30,
+                headers={"x-switchyard-deadline-s": "0.5", "x-switchyard-priority": "batch"},
+                json={"model": MODEL, "prompt": "too late", "max_tokens": 2},
+            )
             assert blocker.result(timeout=30).usage.completion_tokens == 2
         assert response.status_code == 504, response.text
         assert response.json()["error"]["code"] == "deadline_exceeded"
 
 
-@pytest.mark.parametrize("header, value", [("x-switchyard-priority", "urgent"),
-                                           ("x-switchyard-deadline-s", "soon"),
-                                           ("x-switchyard-deadline-s", "-1")])
+@pytest.mark.parametrize(
+    "header, value",
+    [("x-switchyard-priority", "urgent"), ("x-switchyard-deadline-s", "soon"), ("x-switchyard-deadline-s", "-1")],
+)
 def test_bad_scheduling_headers_are_400(nats, header, value):
     with running_stack(nats.url) as stack:
-        response = httpx.post(stack.base_url + "/completions", headers={header: value},
-                              json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        response = httpx.post(
+            stack.base_url + "/completions",
+            headers={header: value},
+            json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+        )
         assert response.status_code == 400 and header in response.json()["error"]["message"]

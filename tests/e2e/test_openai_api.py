@@ -9,8 +9,10 @@ import pytest
 
 from tests.support.stack import MODEL, running_stack, wait_until
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Tell me about the switchyard."}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Tell me about the switchyard."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,14 @@ def test_chat_non_streaming_reports_usage_and_length(client, stack):
 def test_chat_streaming_matches_non_streaming_and_ends_once(client):
     # Greedy sim output is a pure function of the prompt: both paths must agree exactly.
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0)
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -71,8 +79,16 @@ def test_completions_streaming_and_not(client, stack):
     whole = client.completions.create(model=MODEL, prompt="The yard at dawn", max_tokens=16, temperature=0)
     assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
     assert whole.usage.prompt_tokens == len(stack.ingress.tokenizer.encode("The yard at dawn"))
-    chunks = list(client.completions.create(model=MODEL, prompt="The yard at dawn", max_tokens=16,
-                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The yard at dawn",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == 16
 
@@ -86,8 +102,9 @@ def test_max_completion_tokens_and_content_parts(client):
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=7)
     assert reply.usage.completion_tokens == 7
-    same = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
-                                          max_tokens=1)
+    same = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=1
+    )
     assert same.usage.prompt_tokens == reply.usage.prompt_tokens
 
 
@@ -99,11 +116,12 @@ def test_max_tokens_one_finishes_at_prefill(client):
 def test_stop_sequence_cuts_text_before_it(client):
     full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0)
     text = full.choices[0].message.content
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3
     for stream in (False, True):
-        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
-                                               stop=[stop, "\x00never"], stream=stream)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, stop=[stop, "\x00never"], stream=stream
+        )
         if stream:
             chunks = list(reply)
             got = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -136,23 +154,35 @@ def test_models_health_and_metrics(client, stack):
     assert health["status"] == "ok" and health["prefill_workers"] == 1 and health["decode_workers"] == 1
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
     metrics = httpx.get(stack.ingress.url + "/metrics").text
-    for name in ("switchyard_time_to_first_token_seconds_count", "switchyard_time_per_output_token_seconds_count",
-                 "switchyard_queue_time_seconds_count", "switchyard_prompt_tokens_total",
-                 "switchyard_cached_tokens_total", "switchyard_generation_tokens_total"):
+    for name in (
+        "switchyard_time_to_first_token_seconds_count",
+        "switchyard_time_per_output_token_seconds_count",
+        "switchyard_queue_time_seconds_count",
+        "switchyard_prompt_tokens_total",
+        "switchyard_cached_tokens_total",
+        "switchyard_generation_tokens_total",
+    ):
         line = next(l for l in metrics.splitlines() if l.startswith(name))
         assert float(line.split()[-1]) > 0 or name == "switchyard_cached_tokens_total", line
 
 
 def test_session_header_is_accepted(client):
-    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
-                                           extra_headers={"x-session-affinity": "agent-42"})
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, extra_headers={"x-session-affinity": "agent-42"}
+    )
     assert reply.usage.completion_tokens == 3
 
 
 def test_one_request_is_one_trace(client, spans):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
-    wanted = {"POST /v1/chat/completions", "scheduler.admit", "scheduler.dispatch.prefill", "worker.prefill",
-              "scheduler.dispatch.decode", "worker.decode"}
+    wanted = {
+        "POST /v1/chat/completions",
+        "scheduler.admit",
+        "scheduler.dispatch.prefill",
+        "worker.prefill",
+        "scheduler.dispatch.decode",
+        "worker.decode",
+    }
     assert wait_until(lambda: wanted <= {s.name for s in spans.get_finished_spans()})
     finished = [s for s in spans.get_finished_spans() if s.name in wanted]
     root = next(s for s in finished if s.name == "POST /v1/chat/completions")
@@ -166,25 +196,40 @@ def test_one_request_is_one_trace(client, spans):
 # --- bad input: a clear OpenAI error, the right status, never a 500 or a hang ------------------
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (b"{not json", 400, None),
-    (b"", 400, None),
-    (b'{"messages": []}', 400, None),  # model missing
-    (b'{"model": "switchyard-sim"}', 400, None),  # messages missing
-    (b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', 400, "model"),
-    (b'{"model": "switchyard-sim", "messages": "hi"}', 400, "messages"),
-    (b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', 400,
-     "max_tokens"),
-    (b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400,
-     "max_tokens"),
-    (b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400,
-     "max_tokens"),
-    (b'{"model": "switchyard-sim", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
-    (b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
-     "messages[0].content[0]"),
-    (b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
-    (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        (b"", 400, None),
+        (b'{"messages": []}', 400, None),  # model missing
+        (b'{"model": "switchyard-sim"}', 400, None),  # messages missing
+        (b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', 400, "model"),
+        (b'{"model": "switchyard-sim", "messages": "hi"}', 400, "messages"),
+        (
+            b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}',
+            400,
+            "max_tokens",
+        ),
+        (b'{"model": "switchyard-sim", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
+        (
+            b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            400,
+            "messages[0].content[0]",
+        ),
+        (b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+        (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    ],
+)
 def test_bad_chat_input(stack, body, status, param):
     response = raw(stack, "/chat/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
@@ -229,8 +274,9 @@ def test_cache_hits_are_scoped_by_tenant(client, stack):
     block = stack.ingress.config.block_size
 
     def cached(tenant: str) -> int:
-        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
-                                          extra_headers={"x-switchyard-tenant": tenant})
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, extra_headers={"x-switchyard-tenant": tenant}
+        )
         return reply.usage.prompt_tokens_details.cached_tokens
 
     assert cached("acme") == 0

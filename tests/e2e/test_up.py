@@ -17,8 +17,12 @@ from switchyard import procs
 def _start_up(port: int) -> subprocess.Popen:
     return subprocess.Popen(
         procs.service_command("up", "--port", str(port), "--log-level", "warning", "--report-interval-s", "0.2"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=procs.child_env(),
-        start_new_session=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=procs.child_env(),
+        start_new_session=True,
+    )
 
 
 def _wait_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -48,8 +52,9 @@ def test_up_serves_and_stops_cleanly(stop_signal):
         assert "nats-server" in names and "scheduler" in names and "ingress" in names
         assert names.count("--role prefill") == 1 and names.count("--role decode") == 1
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="switchyard-sim", max_tokens=5,
-                                               messages=[{"role": "user", "content": "hi"}])
+        reply = client.chat.completions.create(
+            model="switchyard-sim", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
         assert reply.usage.completion_tokens == 5
         proc.send_signal(stop_signal)
         assert proc.wait(timeout=30) == 0
@@ -63,9 +68,13 @@ def test_up_serves_and_stops_cleanly(stop_signal):
 
 def test_up_refuses_a_busy_port():
     with procs.nats_server() as busy:  # something already listens on this port
-        proc = subprocess.run(procs.service_command("up", "--port", str(busy.port), "--ready-timeout-s", "20",
-                                                    "--log-level", "error"),
-                              capture_output=True, text=True, timeout=60, env=procs.child_env())
+        proc = subprocess.run(
+            procs.service_command("up", "--port", str(busy.port), "--ready-timeout-s", "20", "--log-level", "error"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=procs.child_env(),
+        )
     assert proc.returncode == 1
     assert "ingress exited" in proc.stdout, proc.stdout
 
@@ -76,8 +85,9 @@ def _child(proc: subprocess.Popen, word: str) -> psutil.Process:
 
 def _complete(port: int) -> int:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=10)
-    reply = client.chat.completions.create(model="switchyard-sim", max_tokens=3,
-                                           messages=[{"role": "user", "content": "still there?"}])
+    reply = client.chat.completions.create(
+        model="switchyard-sim", max_tokens=3, messages=[{"role": "user", "content": "still there?"}]
+    )
     return reply.usage.completion_tokens
 
 
@@ -106,10 +116,14 @@ def test_a_crashed_scheduler_is_restarted_and_the_stack_serves_again():
 
 def test_without_restarts_a_crash_stops_the_stack():
     port = procs.free_port()
-    proc = subprocess.Popen(procs.service_command("up", "--port", str(port), "--log-level", "warning",
-                                                  "--max-restarts", "0"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=procs.child_env(),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        procs.service_command("up", "--port", str(port), "--log-level", "warning", "--max-restarts", "0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=procs.child_env(),
+        start_new_session=True,
+    )
     try:
         _wait_ready_line(proc, 60)
         _child(proc, "--role decode").kill()

@@ -40,8 +40,9 @@ def disk(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(module_nats, tmp_path_factory, disk) -> UpStack:
     extra = ["--lmcache-disk-dir", str(disk), "--speculative-method", "ngram", "--num-speculative-tokens", "3"]
-    with vllm_stack(module_nats.url, tmp_path_factory.mktemp("vllm") / "up.log", kv_transfer="lmcache",
-                    extra=extra) as s:
+    with vllm_stack(
+        module_nats.url, tmp_path_factory.mktemp("vllm") / "up.log", kv_transfer="lmcache", extra=extra
+    ) as s:
         yield s
 
 
@@ -54,8 +55,11 @@ def test_speculation_is_counted_and_exported(stack, client, bus):
     assert stats.spec_draft_tokens > 0, "the n-gram proposer never proposed"
     assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
     text = httpx.get(stack.url + "/metrics", timeout=5).text
-    ratio = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-             if line.startswith("switchyard_worker_spec_decode_acceptance_ratio{")]
+    ratio = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("switchyard_worker_spec_decode_acceptance_ratio{")
+    ]
     assert len(ratio) == 1 and 0 < ratio[0] <= 1
     assert 'switchyard_worker_spec_decode_tokens{engine="vllm",kind="accepted",role="decode"' in text
 
@@ -63,8 +67,7 @@ def test_speculation_is_counted_and_exported(stack, client, bus):
 def test_shared_prefix_is_reported_cached_and_the_disk_tier_written(client, bus, disk):
     client.completions.create(model="tiny-llama", prompt=PREFIX + [300], max_tokens=2, temperature=0)
     before = settled_stats(bus, "prefill")
-    second = client.completions.create(model="tiny-llama", prompt=PREFIX + [400, 401], max_tokens=2,
-                                       temperature=0)
+    second = client.completions.create(model="tiny-llama", prompt=PREFIX + [400, 401], max_tokens=2, temperature=0)
     shared = len(PREFIX) // BLOCK * BLOCK
     assert second.usage.prompt_tokens_details.cached_tokens == shared
     after = settled_stats(bus, "prefill", more_than=before.prompt_tokens)
@@ -77,7 +80,8 @@ def test_one_tenant_never_loads_anothers_kv(client, references):
     salt, so a prompt another tenant computed is computed again, not served."""
     prompt = references["prompts"][3]  # served to the default tenant above
     other = client.with_options(default_headers={"x-switchyard-tenant": "other-tenant"}).completions.create(
-        model="tiny-llama", prompt=prompt, max_tokens=2, temperature=0)
+        model="tiny-llama", prompt=prompt, max_tokens=2, temperature=0
+    )
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     again = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
@@ -89,7 +93,8 @@ def test_a_dead_mooncake_segment_means_recompute_not_failure(stack, client, bus,
     segment.wait(10)
     prompt, expected = references["prompts"][2], references["outputs"][2]
     response = client.with_options(default_headers={"x-switchyard-tenant": "segment-test"}).completions.create(
-        model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+    )
     assert response.choices[0].text == tokenizer.decode(expected["tokens"])
     assert wait_until(lambda: response.id in bus.finished(), 5)
     finished = bus.finished()[response.id]

@@ -53,8 +53,7 @@ def test_shared_prefix_is_reported_cached_and_not_recomputed(client, bus, tokeni
     assert wait_until(lambda: bus.stats("prefill").prompt_tokens >= 1, 5)
     before = settled_stats(bus, "prefill")
 
-    second = client.completions.create(model="tiny-llama", prompt=PREFIX + [400, 401, 402], max_tokens=4,
-                                       temperature=0)
+    second = client.completions.create(model="tiny-llama", prompt=PREFIX + [400, 401, 402], max_tokens=4, temperature=0)
     shared = len(PREFIX) // BLOCK * BLOCK
     assert second.usage.prompt_tokens_details.cached_tokens == shared
     after = settled_stats(bus, "prefill", more_than=before.prompt_tokens)
@@ -66,9 +65,16 @@ def test_shared_prefix_is_reported_cached_and_not_recomputed(client, bus, tokeni
     # engine's own reuse of the handed-over blocks is not added on top).
     messages = [{"role": "user", "content": tokenizer.decode(PREFIX * 2)}]
     for _ in range(2):
-        chunks = list(client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4,
-                                                     temperature=0, stream=True,
-                                                     stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny-llama",
+                messages=messages,
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
     usage = chunks[-1].usage
     assert usage.prompt_tokens_details.cached_tokens == _whole_blocks(usage.prompt_tokens)
 
@@ -78,8 +84,11 @@ def test_metrics_export_the_engines_counters(stack, client):
     text = httpx.get(stack.url + "/metrics", timeout=5).text
     assert 'switchyard_worker_prompt_tokens{engine="vllm",role="prefill",source="computed"' in text
     assert 'switchyard_worker_boot_seconds{engine="vllm",role="decode"' in text
-    boot = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("switchyard_worker_boot_seconds{")]
+    boot = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("switchyard_worker_boot_seconds{")
+    ]
     assert len(boot) == 2 and all(0 < b < 600 for b in boot)
 
 
@@ -111,10 +120,16 @@ def test_the_segment_dying_between_prefill_and_decode_means_recompute(stack, bus
 
     prompt, expected = references["prompts"][1], references["outputs"][1]
     workers = {w.role: w.worker_id for w in bus.status().workers}
-    spec = RequestSpec(request_id="between-1", ingress_id="test-ingress", model="tiny-llama", prompt_tokens=prompt,
-                       block_size=BLOCK, block_keys=KeyScheme("vllm-sha256-cbor").keys(prompt, BLOCK, "between",
-                                                                                          "tiny-llama"),
-                       sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), tenant="between")
+    spec = RequestSpec(
+        request_id="between-1",
+        ingress_id="test-ingress",
+        model="tiny-llama",
+        prompt_tokens=prompt,
+        block_size=BLOCK,
+        block_keys=KeyScheme("vllm-sha256-cbor").keys(prompt, BLOCK, "between", "tiny-llama"),
+        sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        tenant="between",
+    )
     chunks = []
 
     async def subscribe():
@@ -129,8 +144,9 @@ def test_the_segment_dying_between_prefill_and_decode_means_recompute(stack, bus
 
     bus.portal.call(subscribe)
     assert bus.portal.call(dispatch, workers["prefill"], PrefillTask(spec=spec, queued_s=0.0)).accepted
-    assert wait_until(lambda: any(isinstance(e, PrefillDone) and e.request_id == spec.request_id
-                                  for e in bus.events), 60)
+    assert wait_until(
+        lambda: any(isinstance(e, PrefillDone) and e.request_id == spec.request_id for e in bus.events), 60
+    )
     done = next(e for e in bus.events if isinstance(e, PrefillDone) and e.request_id == spec.request_id)
     (segment,) = stack.children("mooncake_client")
     segment.kill()
@@ -158,8 +174,7 @@ def test_a_dead_mooncake_segment_means_recompute_not_failure(stack, client, bus,
     # A tenant of its own: nothing of this prompt is cached anywhere, so decode must load it.
     prompt, expected = references["prompts"][0], references["outputs"][0]
     tenant_client = client.with_options(default_headers={"x-switchyard-tenant": "segment-test"})
-    response = tenant_client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                temperature=0)
+    response = tenant_client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
     assert response.choices[0].text == tokenizer.decode(expected["tokens"])
     assert wait_until(lambda: response.id in bus.finished(), 5)
     finished = bus.finished()[response.id]
@@ -171,7 +186,8 @@ def test_a_dead_mooncake_segment_means_recompute_not_failure(stack, client, bus,
     def handed_over(attempt=[0]) -> bool:
         attempt[0] += 1
         again = client.with_options(default_headers={"x-switchyard-tenant": f"after-{attempt[0]}"}).completions.create(
-            model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
         assert again.choices[0].text == tokenizer.decode(expected["tokens"])
         assert wait_until(lambda: again.id in bus.finished(), 5)
         done = bus.finished()[again.id]
@@ -191,9 +207,11 @@ def _snapshot(bus: BusWatch, role: str) -> list[int]:
     worker = next(w.worker_id for w in bus.status().workers if w.role == role)
 
     async def ask():
-        reply = await bus._nc.request(subjects.kv_snapshot(worker),
-                                      codec.KV_SNAPSHOT_REQUEST.encode(KvSnapshotRequest(scheduler_id="test")),
-                                      timeout=5)
+        reply = await bus._nc.request(
+            subjects.kv_snapshot(worker),
+            codec.KV_SNAPSHOT_REQUEST.encode(KvSnapshotRequest(scheduler_id="test")),
+            timeout=5,
+        )
         return codec.KV_SNAPSHOT.decode(reply.data)
 
     snapshot = bus.portal.call(ask)

@@ -20,12 +20,17 @@ def test_nixl_handoff_matches_one_engine(module_nats, tmp_path, references):
     from tests.support.vllm_stack import tiny_model
 
     tokenizer = ModelTokenizer.load(tiny_model())
-    with vllm_stack(module_nats.url, tmp_path / "up.log", kv_transfer="nixl",
-                    extra=["--gpu-memory-utilization", "0.3"]) as stack, BusWatch(stack.nats_url) as bus:
+    with (
+        vllm_stack(
+            module_nats.url, tmp_path / "up.log", kv_transfer="nixl", extra=["--gpu-memory-utilization", "0.3"]
+        ) as stack,
+        BusWatch(stack.nats_url) as bus,
+    ):
         client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
         for prompt, expected in zip(references["prompts"], references["outputs"], strict=True):
-            response = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                 temperature=0)
+            response = client.completions.create(
+                model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+            )
             assert response.choices[0].text == tokenizer.decode(expected["tokens"])
             if len(expected["tokens"]) > 1:
                 assert wait_until(lambda: response.id in bus.finished(), 5)

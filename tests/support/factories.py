@@ -71,8 +71,7 @@ def make_spec(
         prompt_tokens=tokens,
         block_size=block_size,
         block_keys=list(block_keys(tokens, block_size, salt_for(tenant, model))),
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=seed),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed),
         tenant=tenant,
         session=session,
         priority=priority,
@@ -91,14 +90,22 @@ def load_report(
     block_size: int = BLOCK_SIZE,
     interval_s: float = 0.5,
 ) -> LoadReport:
-    return LoadReport(worker_id=worker_id, role=role, seq=seq, engine="sim", model=MODEL,
-                      block_size=block_size, token_budget=budget, inflight_tokens=inflight,
-                      running=running, interval_s=interval_s)
+    return LoadReport(
+        worker_id=worker_id,
+        role=role,
+        seq=seq,
+        engine="sim",
+        model=MODEL,
+        block_size=block_size,
+        token_budget=budget,
+        inflight_tokens=inflight,
+        running=running,
+        interval_s=interval_s,
+    )
 
 
 def usage_of(spec: RequestSpec, *, cached: int = 0, prefill_s: float = 0.0) -> PromptUsage:
-    return PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=cached,
-                       queued_s=0.0, prefill_s=prefill_s)
+    return PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=cached, queued_s=0.0, prefill_s=prefill_s)
 
 
 def prefill_done(
@@ -110,11 +117,15 @@ def prefill_done(
     cached: int = 0,
     prefill_s: float = 0.0,
 ) -> PrefillDone:
-    handle = SimKvHandle(worker_id=worker_id, block_keys=spec.block_keys,
-                         num_tokens=len(spec.prompt_tokens))
-    return PrefillDone(worker_id=worker_id, request_id=spec.request_id, handle=handle,
-                       first_token=first_token, usage=usage_of(spec, cached=cached, prefill_s=prefill_s),
-                       finished=finished)
+    handle = SimKvHandle(worker_id=worker_id, block_keys=spec.block_keys, num_tokens=len(spec.prompt_tokens))
+    return PrefillDone(
+        worker_id=worker_id,
+        request_id=spec.request_id,
+        handle=handle,
+        first_token=first_token,
+        usage=usage_of(spec, cached=cached, prefill_s=prefill_s),
+        finished=finished,
+    )
 
 
 def prefill_failed(spec: RequestSpec, worker_id: str, message: str = "engine exploded") -> PrefillFailed:
@@ -122,9 +133,12 @@ def prefill_failed(spec: RequestSpec, worker_id: str, message: str = "engine exp
 
 
 def request_finished(spec: RequestSpec, worker_id: str, generated: int | None = None) -> RequestFinished:
-    return RequestFinished(worker_id=worker_id, request_id=spec.request_id,
-                           generated_tokens=generated if generated is not None else spec.sampling.max_tokens,
-                           reason="length")
+    return RequestFinished(
+        worker_id=worker_id,
+        request_id=spec.request_id,
+        generated_tokens=generated if generated is not None else spec.sampling.max_tokens,
+        reason="length",
+    )
 
 
 def worker_leaving(worker_id: str) -> WorkerLeaving:

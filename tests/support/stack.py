@@ -18,11 +18,11 @@ import httpx
 import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from switchyard.cli import BUNDLED_MODEL
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.service import IngressService
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
-from switchyard.cli import BUNDLED_MODEL
 from switchyard.workers import WorkerConfig, build_worker
 from switchyard.workers.runtime import WorkerRuntime
 from switchyard.workers.sim import SimCostModel, SimEngineConfig
@@ -85,15 +85,23 @@ class Stack:
 
 
 @contextmanager
-def running_stack(nats_url: str, *, prefill: int = 1, decode: int = 1,
-                  scheduler: SchedulerConfig = SchedulerConfig(worker_expiry_s=1.0),
-                  prefill_cost: SimCostModel = SimCostModel(), decode_cost: SimCostModel = SimCostModel(),
-                  worker_overrides: dict | None = None, ingress_overrides: dict | None = None) -> Iterator[Stack]:
+def running_stack(
+    nats_url: str,
+    *,
+    prefill: int = 1,
+    decode: int = 1,
+    scheduler: SchedulerConfig = SchedulerConfig(worker_expiry_s=1.0),
+    prefill_cost: SimCostModel = SimCostModel(),
+    decode_cost: SimCostModel = SimCostModel(),
+    worker_overrides: dict | None = None,
+    ingress_overrides: dict | None = None,
+) -> Iterator[Stack]:
     overrides = worker_overrides or {}
     with start_blocking_portal(backend="asyncio") as portal:
         sched = SchedulerService(SchedulerServiceConfig(nats_url=nats_url, core=scheduler))
-        ingress = IngressService(IngressConfig(nats_url=nats_url, model_dir=str(BUNDLED_MODEL), port=0,
-                                               **(ingress_overrides or {})))
+        ingress = IngressService(
+            IngressConfig(nats_url=nats_url, model_dir=str(BUNDLED_MODEL), port=0, **(ingress_overrides or {}))
+        )
         stack = Stack(nats_url=nats_url, portal=portal, scheduler=sched, ingress=ingress)
         try:
             stack.start(sched.run)
@@ -117,4 +125,4 @@ def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> b
     return predicate()
 
 
-__all__ = ["MODEL", "Stack", "running_stack", "wait_until", "worker_config", "anyio", "Path"]
+__all__ = ["MODEL", "Path", "Stack", "anyio", "running_stack", "wait_until", "worker_config"]

@@ -13,8 +13,16 @@ def main(model: str, source: str, target: str) -> None:
     from vllm import LLM, SamplingParams
 
     request = json.loads(open(source).read())
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-              max_model_len=4096, block_size=32, seed=0, enable_prefix_caching=False)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=4096,
+        block_size=32,
+        seed=0,
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, detokenize=False)
     outputs = []
     for prompt in request["prompts"]:  # one at a time: the same batch shapes as a lone request

@@ -30,8 +30,17 @@ from switchyard.tiny_model import build_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = Path(os.environ.get("SWITCHYARD_TINY_MODEL", ROOT / ".cache" / "tiny-llama"))
 BLOCK = 32
-ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-bytes", str(64 << 20),
-                "--max-model-len", "4096", "--block-size", str(BLOCK)]
+ENGINE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--kv-cache-bytes",
+    str(64 << 20),
+    "--max-model-len",
+    "4096",
+    "--block-size",
+    str(BLOCK),
+]
 MAX_TOKENS = 16
 
 
@@ -59,8 +68,13 @@ def reference_outputs(model: Path, prompts: list[list[int]], max_tokens: int = M
         source, target = Path(tmp) / "in.json", Path(tmp) / "out.json"
         source.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens}))
         env = {**os.environ, "VLLM_CACHE_ROOT": str(Path(tmp) / "vllm-cache")}
-        result = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_reference.py")), str(model),
-                                 str(source), str(target)], env=env, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("vllm_reference.py")), str(model), str(source), str(target)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"reference engine failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         return json.loads(target.read_text())
@@ -92,13 +106,33 @@ class UpStack:
 
 
 @contextmanager
-def vllm_stack(nats_url: str, log: Path, *, kv_transfer: str, extra: list[str] = (),
-               timeout_s: float = 600.0) -> Iterator[UpStack]:
+def vllm_stack(
+    nats_url: str, log: Path, *, kv_transfer: str, extra: list[str] = (), timeout_s: float = 600.0
+) -> Iterator[UpStack]:
     """``switchyard up --engine vllm`` on the test's NATS, ready (both roles registered)."""
     port = procs.free_port()
-    command = [sys.executable, "-m", "switchyard", "up", "--engine", "vllm", "--model", str(tiny_model()),
-               "--nats", nats_url, "--port", str(port), "--kv-transfer", kv_transfer, *ENGINE_FLAGS,
-               "--report-interval-s", "0.2", "--ready-timeout-s", str(timeout_s), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "switchyard",
+        "up",
+        "--engine",
+        "vllm",
+        "--model",
+        str(tiny_model()),
+        "--nats",
+        nats_url,
+        "--port",
+        str(port),
+        "--kv-transfer",
+        kv_transfer,
+        *ENGINE_FLAGS,
+        "--report-interval-s",
+        "0.2",
+        "--ready-timeout-s",
+        str(timeout_s),
+        *extra,
+    ]
     out = log.open("w")
     process = procs.spawn(command, env=procs.child_env(), stdout=out)
     stack = UpStack(url=f"http://127.0.0.1:{port}", nats_url=nats_url, process=process, log=log)
@@ -135,7 +169,7 @@ class BusWatch:
         self.nats_url = nats_url
         self.events: list = []
 
-    def __enter__(self) -> "BusWatch":
+    def __enter__(self) -> BusWatch:
         from anyio.from_thread import start_blocking_portal
 
         self._portal_cm = start_blocking_portal(backend="asyncio")
@@ -185,8 +219,11 @@ class BusWatch:
     def finished(self, worker_prefix: str = "") -> dict:
         from switchyard.schemas import RequestFinished
 
-        return {e.request_id: e for e in self.events
-                if isinstance(e, RequestFinished) and e.worker_id.startswith(worker_prefix)}
+        return {
+            e.request_id: e
+            for e in self.events
+            if isinstance(e, RequestFinished) and e.worker_id.startswith(worker_prefix)
+        }
 
 
 def settled_stats(bus: BusWatch, role: str, more_than: int = -1):
@@ -208,8 +245,7 @@ def assert_greedy_matches_reference(client, bus: BusWatch, tokenizer, references
     from tests.support.stack import wait_until
 
     for prompt, expected in zip(references["prompts"], references["outputs"], strict=True):
-        response = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS,
-                                             temperature=0)
+        response = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         choice = response.choices[0]
         assert choice.text == tokenizer.decode(expected["tokens"]), f"prompt of {len(prompt)} tokens"
         assert choice.finish_reason == expected["finish_reason"]

@@ -10,18 +10,31 @@ import subprocess
 
 import pytest
 
+from switchyard import procs
 from switchyard.bench.calibration import PUBLISHED, closed_loop
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import EventLoop, FleetShape, SimWorker
 from switchyard.bench.replay import ReplaySettings, replay
 from switchyard.bench.sim import parse_policies, percentile
 from switchyard.bench.traces import TraceRequest
-from switchyard.schemas import PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams
-from switchyard import procs
 from switchyard.cli import build_parser
+from switchyard.schemas import PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams
 
-REQUIRED = ("policy", "requests", "cache_hit_ratio", "hit_ratio_bound", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-            "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "goodput_rps", "rejected", "index_bytes_per_block")
+REQUIRED = (
+    "policy",
+    "requests",
+    "cache_hit_ratio",
+    "hit_ratio_bound",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p90_s",
+    "tpot_p99_s",
+    "goodput_rps",
+    "rejected",
+    "index_bytes_per_block",
+)
 COST = CostModel()
 
 
@@ -31,8 +44,14 @@ def conversations(sessions: int = 4, turns: int = 4, gap_s: float = 3.0) -> list
     for turn in range(turns):
         for s in range(sessions):
             ids = [s * 1000 + j for j in range(2 * turn + 2)]
-            rows.append({"timestamp": int(1000 * (turn * gap_s + 0.4 * s)), "input_length": 512 * len(ids) - 100,
-                         "output_length": 20 + 5 * s, "hash_ids": ids})
+            rows.append(
+                {
+                    "timestamp": int(1000 * (turn * gap_s + 0.4 * s)),
+                    "input_length": 512 * len(ids) - 100,
+                    "output_length": 20 + 5 * s,
+                    "hash_ids": ids,
+                }
+            )
     return sorted(rows, key=lambda r: r["timestamp"])
 
 
@@ -41,8 +60,9 @@ def write_trace(path, rows):
     return path
 
 
-def settings(policy: str = "switchyard", prefill: int = 1, decode: int = 1, colocated: bool = False,
-             **kw) -> ReplaySettings:
+def settings(
+    policy: str = "switchyard", prefill: int = 1, decode: int = 1, colocated: bool = False, **kw
+) -> ReplaySettings:
     return ReplaySettings(policy=policy, shape=FleetShape(prefill, decode, colocated), **kw)
 
 
@@ -87,8 +107,15 @@ def tpot_of_a_decode(with_long_prompt_arriving: bool) -> float:
     worker = SimWorker("w", "both", COST, 100, loop, sink)
 
     def send(rid: str, tokens: int, out: int, at: float) -> None:
-        spec = RequestSpec(request_id=rid, ingress_id="t", model="m", prompt_tokens=[0] * tokens, block_size=512,
-                           block_keys=[], sampling=SamplingParams(max_tokens=out))
+        spec = RequestSpec(
+            request_id=rid,
+            ingress_id="t",
+            model="m",
+            prompt_tokens=[0] * tokens,
+            block_size=512,
+            block_keys=[],
+            sampling=SamplingParams(max_tokens=out),
+        )
         loop.at(at, lambda now: worker.accept(PrefillTask(spec=spec, queued_s=0.0), now))
 
     send("a", 1000, 50, 0.0)
@@ -171,10 +198,26 @@ def test_percentile_interpolates_like_numpy():
 def test_cli_writes_results_timing_and_plots(tmp_path):
     trace = write_trace(tmp_path / "chat.jsonl", conversations())
     out = tmp_path / "sim"
-    run = subprocess.run(procs.service_command("bench", "sim", "--trace", str(trace), "--policies",
-                                               "round_robin,switchyard", "--prefill", "1", "--decode", "1",
-                                               "--out", str(out)),
-                         capture_output=True, text=True, timeout=60, env=procs.child_env())
+    run = subprocess.run(
+        procs.service_command(
+            "bench",
+            "sim",
+            "--trace",
+            str(trace),
+            "--policies",
+            "round_robin,switchyard",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--out",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=procs.child_env(),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "100% of the trace arrived" in run.stdout and "TTFT p50" in run.stdout
     assert [r["policy"] for r in json.loads((out / "results.json").read_text())] == ["round_robin", "switchyard"]
@@ -185,8 +228,14 @@ def test_cli_writes_results_timing_and_plots(tmp_path):
 
 def test_cli_names_an_unknown_policy(tmp_path):
     trace = write_trace(tmp_path / "chat.jsonl", conversations())
-    run = subprocess.run(procs.service_command("bench", "sim", "--trace", str(trace), "--policies", "fastest",
-                                               "--out", str(tmp_path / "out")),
-                         capture_output=True, text=True, timeout=60, env=procs.child_env())
+    run = subprocess.run(
+        procs.service_command(
+            "bench", "sim", "--trace", str(trace), "--policies", "fastest", "--out", str(tmp_path / "out")
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=procs.child_env(),
+    )
     assert run.returncode == 2 and "unknown policy 'fastest'" in run.stderr
     assert not (tmp_path / "out").exists()

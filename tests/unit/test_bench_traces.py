@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from switchyard.bench.traces import TraceError, TraceRequest, block_keys, detect_format, hit_ratio_bound, read_trace, tenant_salt
+from switchyard.bench.traces import (
+    TraceError,
+    TraceRequest,
+    block_keys,
+    detect_format,
+    hit_ratio_bound,
+    read_trace,
+    tenant_salt,
+)
 
 
 def write_mooncake(path, rows):
@@ -48,13 +56,16 @@ def test_azure_rows_get_fresh_block_ids_and_relative_seconds(tmp_path):
     assert not set(first.block_ids) & set(second.block_ids)  # no prefix information: nothing shared
 
 
-@pytest.mark.parametrize("line, complaint", [
-    ("{not json", "not JSON"),
-    (json.dumps({"timestamp": 0, "input_length": 10, "hash_ids": [1]}), "output_length"),
-    (json.dumps(mooncake_row(0, 1025, 3, [1, 2])), "2 hash_ids for 1025 input tokens"),
-    (json.dumps(mooncake_row(0, 10, 3, ["a"])), "hash_ids must be a list of integers"),
-    (json.dumps(mooncake_row(-5, 10, 3, [1])), "timestamp"),
-])
+@pytest.mark.parametrize(
+    "line, complaint",
+    [
+        ("{not json", "not JSON"),
+        (json.dumps({"timestamp": 0, "input_length": 10, "hash_ids": [1]}), "output_length"),
+        (json.dumps(mooncake_row(0, 1025, 3, [1, 2])), "2 hash_ids for 1025 input tokens"),
+        (json.dumps(mooncake_row(0, 10, 3, ["a"])), "hash_ids must be a list of integers"),
+        (json.dumps(mooncake_row(-5, 10, 3, [1])), "timestamp"),
+    ],
+)
 def test_a_malformed_mooncake_line_is_named(tmp_path, line, complaint):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(mooncake_row(0, 10, 2, [1])) + "\n" + line + "\n")
@@ -62,12 +73,15 @@ def test_a_malformed_mooncake_line_is_named(tmp_path, line, complaint):
         read_trace(path)
 
 
-@pytest.mark.parametrize("row, complaint", [
-    ("2023-11-16 18:15:47,ten,4", "ContextTokens 'ten' is not an integer"),
-    ("yesterday,10,4", "TIMESTAMP 'yesterday'"),
-    ("2023-11-16 18:15:47,10", "expected 3 fields"),
-    ("2023-11-16 18:15:47,10,0", "GeneratedTokens must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "row, complaint",
+    [
+        ("2023-11-16 18:15:47,ten,4", "ContextTokens 'ten' is not an integer"),
+        ("yesterday,10,4", "TIMESTAMP 'yesterday'"),
+        ("2023-11-16 18:15:47,10", "expected 3 fields"),
+        ("2023-11-16 18:15:47,10,0", "GeneratedTokens must be a positive integer"),
+    ],
+)
 def test_a_malformed_azure_row_is_named(tmp_path, row, complaint):
     path = tmp_path / "bad.csv"
     path.write_text(AZURE_HEADER + "2023-11-16 18:15:46,10,4\n" + row + "\n")

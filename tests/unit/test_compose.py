@@ -30,8 +30,11 @@ def services(compose: dict) -> dict[str, dict]:
 
 
 def switchyard_services(services: dict[str, dict]) -> dict[str, list[str]]:
-    return {name: svc["command"] for name, svc in services.items()
-            if isinstance(svc.get("command"), list) and svc["command"][:1] == ["switchyard"]}
+    return {
+        name: svc["command"]
+        for name, svc in services.items()
+        if isinstance(svc.get("command"), list) and svc["command"][:1] == ["switchyard"]
+    }
 
 
 def parse_command(command: list[str]) -> argparse.Namespace:
@@ -107,15 +110,18 @@ def test_nats_runs_jetstream_with_a_volume(services):
     nats = services[NATS_SERVICE]
     assert nats["image"].startswith("nats:2.10")
     assert nats["command"] == ["-js", "-sd", "/data", "-m", "8222"]
-    assert any(str(v).split(":")[1:2] == ["/data"] if isinstance(v, str) else v.get("target") == "/data"
-               for v in nats.get("volumes", [])), "no volume at /data"
+    assert any(
+        str(v).split(":")[1:2] == ["/data"] if isinstance(v, str) else v.get("target") == "/data"
+        for v in nats.get("volumes", [])
+    ), "no volume at /data"
 
 
 @pytest.mark.parametrize("name", GPU_WORKERS)
 def test_gpu_workers_reserve_a_gpu(services, name):
     devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
-    assert any("gpu" in d.get("capabilities", []) and (d.get("count") == 1 or d.get("device_ids"))
-               for d in devices), devices
+    assert any("gpu" in d.get("capabilities", []) and (d.get("count") == 1 or d.get("device_ids")) for d in devices), (
+        devices
+    )
     assert all(d.get("driver", "nvidia") == "nvidia" for d in devices), devices
 
 
@@ -140,12 +146,15 @@ def test_the_switchyard_image_is_built(services):
     assert any("build" in services[n] for n in names), "nothing builds the image"
 
 
-@pytest.mark.parametrize("bad", [
-    ["switchyard", "worker", "--role", "nonsense"],
-    ["switchyard", "worker", "--engine", "sim"],  # --role is required
-    ["switchyard", "ingress", "--no-such-flag"],
-    ["switchyard", "nonsense"],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["switchyard", "worker", "--role", "nonsense"],
+        ["switchyard", "worker", "--engine", "sim"],  # --role is required
+        ["switchyard", "ingress", "--no-such-flag"],
+        ["switchyard", "nonsense"],
+    ],
+)
 def test_a_bad_command_is_rejected(bad):
     with pytest.raises(pytest.fail.Exception, match="switchyard rejects"):
         parse_command(bad)

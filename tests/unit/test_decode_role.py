@@ -5,10 +5,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from tests.support.factories import make_spec
 from switchyard.schemas import DecodeTask, PromptUsage, SimKvHandle
 from switchyard.workers.decode import DecodeRole
 from switchyard.workers.sim import SimCostModel, SimEngine, SimEngineConfig
+from tests.support.factories import make_spec
 
 pytestmark = pytest.mark.anyio
 
@@ -36,8 +36,12 @@ class RecordingBus:
 
 def _task(rid: str, ingress: str, max_tokens: int) -> DecodeTask:
     spec = make_spec(rid, ingress_id=ingress, max_tokens=max_tokens)
-    return DecodeTask(spec=spec, handle=SimKvHandle(worker_id="p", block_keys=[], num_tokens=0), first_token=7,
-                      usage=PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0))
+    return DecodeTask(
+        spec=spec,
+        handle=SimKvHandle(worker_id="p", block_keys=[], num_tokens=0),
+        first_token=7,
+        usage=PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0),
+    )
 
 
 async def _run(role: DecodeRole, bus: RecordingBus, until) -> None:
@@ -50,8 +54,9 @@ async def _run(role: DecodeRole, bus: RecordingBus, until) -> None:
 
 
 def _positions(bus: RecordingBus, rid: str) -> list[int]:
-    return [c.seq + i for _, chunks in bus.batches for c in chunks if c.request_id == rid
-            for i in range(len(c.token_ids))]
+    return [
+        c.seq + i for _, chunks in bus.batches for c in chunks if c.request_id == rid for i in range(len(c.token_ids))
+    ]
 
 
 async def test_every_position_once_and_one_finish_per_request() -> None:

@@ -21,8 +21,8 @@ from switchyard.ingress.openai_types import (
 from switchyard.ingress.streams import StreamFailed, TokenSequencer
 from switchyard.ingress.text import TextAssembler
 from switchyard.ingress.tokenizer import ModelTokenizer
-from switchyard.schemas import PromptUsage, StreamChunk, StreamError
 from switchyard.models import build_tokenizer
+from switchyard.schemas import PromptUsage, StreamChunk, StreamError
 
 SIM_TINY = Path(build_tokenizer.__file__).parent / "sim-tiny"
 USAGE = PromptUsage(prompt_tokens=10, cached_tokens=0)
@@ -221,7 +221,7 @@ def test_random_texts_and_stops_match_the_unbuffered_oracle(tok: ModelTokenizer)
         for _ in range(rng.randint(0, 3)):
             if rng.random() < 0.7:
                 start = rng.randrange(len(text))
-                stops.append(text[start:start + rng.randint(1, 6)])
+                stops.append(text[start : start + rng.randint(1, 6)])
             else:
                 stops.append(rng.choice(["zz", "qq!", "\t"]))
         ids = tok.encode(text)
@@ -230,7 +230,7 @@ def test_random_texts_and_stops_match_the_unbuffered_oracle(tok: ModelTokenizer)
         released, i = "", 0
         while i < len(ids):  # tokens arrive in chunks of random size
             n = rng.randint(1, 4)
-            released += assembler.push(ids[i:i + n])
+            released += assembler.push(ids[i : i + n])
             assert expected.startswith(released), (text, stops, released)
             i += n
         assert released + assembler.finish() == expected, (text, stops)
@@ -249,14 +249,16 @@ def chat(**fields) -> ChatCompletionRequest:
     return decode_body(body(**fields), ChatCompletionRequest)  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"messages": [], "max_tokens": "ten"}, "max_tokens"),
-    ({"messages": [], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": 3}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
-     "messages[0].content[0].text"),
-    ({"messages": [], "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"messages": [], "max_tokens": "ten"}, "max_tokens"),
+        ({"messages": [], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": 3}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+        ({"messages": [], "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ],
+)
 def test_decode_body_names_the_wrong_param(fields: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         decode_body(body(**fields), ChatCompletionRequest)
@@ -269,7 +271,7 @@ def test_decode_body_ignores_unknown_fields() -> None:
     assert isinstance(request, ChatCompletionRequest) and request.max_tokens == 7
 
 
-@pytest.mark.parametrize("raw", [b"", b"   \n", b"{not json", b"{\"model\": "])
+@pytest.mark.parametrize("raw", [b"", b"   \n", b"{not json", b'{"model": '])
 def test_decode_body_empty_or_malformed(raw: bytes) -> None:
     with pytest.raises(InvalidRequest) as caught:
         decode_body(raw, ChatCompletionRequest)
@@ -293,12 +295,14 @@ def test_decode_body_names_a_missing_required_param() -> None:
 
 
 def test_chat_messages_flatten_text_parts() -> None:
-    request = chat(messages=[
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]},
-        {"role": "assistant", "content": None},
-        {"role": "tool", "content": "42"},
-    ])
+    request = chat(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]},
+            {"role": "assistant", "content": None},
+            {"role": "tool", "content": "42"},
+        ]
+    )
     assert chat_messages(request) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello, world"},
@@ -307,13 +311,20 @@ def test_chat_messages_flatten_text_parts() -> None:
     ]
 
 
-@pytest.mark.parametrize("part", [
-    {"type": "image_url", "image_url": {"url": "http://x/cat.png"}},
-    {"type": "text"},  # a text part without text
-])
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}},
+        {"type": "text"},  # a text part without text
+    ],
+)
 def test_chat_messages_refuse_non_text_parts(part: dict) -> None:
-    request = chat(messages=[{"role": "system", "content": "x"},
-                             {"role": "user", "content": [{"type": "text", "text": "see"}, part]}])
+    request = chat(
+        messages=[
+            {"role": "system", "content": "x"},
+            {"role": "user", "content": [{"type": "text", "text": "see"}, part]},
+        ]
+    )
     with pytest.raises(InvalidRequest) as caught:
         chat_messages(request)
     assert caught.value.param == "messages[1].content[1]"
@@ -342,15 +353,18 @@ def test_stop_strings_forms_and_limits() -> None:
         assert caught.value.param == "stop"
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 2}, "n"),
-    ({"n": 0}, "n"),
-    ({"temperature": 2.5}, "temperature"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 def test_check_sampling_refuses(fields: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         check_sampling(chat(**fields))
@@ -358,8 +372,12 @@ def test_check_sampling_refuses(fields: dict, param: str) -> None:
 
 
 def test_check_sampling_accepts_the_edges() -> None:
-    for fields in ({}, {"n": 1, "temperature": 0.0, "top_p": 1.0}, {"temperature": 2.0, "top_p": 0.01},
-                   {"stream": True, "stream_options": {"include_usage": True}}):
+    for fields in (
+        {},
+        {"n": 1, "temperature": 0.0, "top_p": 1.0},
+        {"temperature": 2.0, "top_p": 0.01},
+        {"stream": True, "stream_options": {"include_usage": True}},
+    ):
         check_sampling(chat(**fields))  # raises on failure
 
 
@@ -377,8 +395,9 @@ def _route_all(router: StreamRouter, *chunks) -> None:
 def test_router_delivers_to_the_open_inbox_only() -> None:
     router = StreamRouter()
     inbox = router.open("r", max_tokens=4)
-    _route_all(router, StreamChunk(request_id="r", seq=0, token_ids=[1]),
-               StreamChunk(request_id="other", seq=0, token_ids=[2]))
+    _route_all(
+        router, StreamChunk(request_id="r", seq=0, token_ids=[1]), StreamChunk(request_id="other", seq=0, token_ids=[2])
+    )
     assert [c.token_ids for c in inbox.chunks] == [[1]]
     assert router.unroutable == 1
     router.close("r")

@@ -23,7 +23,9 @@ def test_pinned_values() -> None:
     # running mixed versions. Change them only together with WIRE_VERSION.
     assert SALT.hex() == "b8b0e84231f3a1234719418f63a74422"
     assert block_keys(list(range(1, 13)), 4, SALT) == [
-        1810002644782186153, 380403963536631056, 8399491695450081961,
+        1810002644782186153,
+        380403963536631056,
+        8399491695450081961,
     ]
 
 

@@ -15,16 +15,16 @@ import torch
 pytest.importorskip("lmcache")
 pytest.importorskip("vllm")
 
-import lmcache.v1.gpu_connector as lmc_gc  # noqa: E402
-from lmcache.utils import EngineType  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig, load_engine_config_with_overrides  # noqa: E402
-from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+import lmcache.v1.gpu_connector as lmc_gc
+from lmcache.utils import EngineType
+from lmcache.v1.config import LMCacheEngineConfig, load_engine_config_with_overrides
+from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
 
-from switchyard.kvbus.lmcache_config import write_lmcache_config  # noqa: E402
-import switchyard.kvbus.lmcache_cpu as lmc_cpu  # noqa: E402
-from switchyard.kvbus.lmcache_cpu import CPUPagedKVConnector, block_layout, register_cpu_kv_connector  # noqa: E402
+import switchyard.kvbus.lmcache_cpu as lmc_cpu
+from switchyard.kvbus.lmcache_config import write_lmcache_config
+from switchyard.kvbus.lmcache_cpu import CPUPagedKVConnector, block_layout, register_cpu_kv_connector
 
 LAYERS, HEADS, HEAD, BS, BLOCKS = 2, 2, 32, 32, 12
 DTYPE = torch.float32
@@ -150,8 +150,13 @@ def test_bad_inputs_raise_clear_errors() -> None:
 
 def test_registration_replaces_the_missing_cpu_connector() -> None:
     meta = LMCacheMetadata(
-        model_name="m", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-        kv_dtype=DTYPE, kv_shape=(LAYERS, 2, 256, HEADS, HEAD),
+        model_name="m",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=DTYPE,
+        kv_shape=(LAYERS, 2, 256, HEADS, HEAD),
     )
     cfg = LMCacheEngineConfig.from_defaults()
     register_cpu_kv_connector()
@@ -170,11 +175,22 @@ def test_written_config_loads_in_lmcache(tmp_path: Path) -> None:
     from lmcache.v1.storage_backend.connector.mooncakestore_connector import MooncakeStoreConfig
 
     env, kvt = write_lmcache_config(
-        tmp_path / "lmc.yaml", role="kv_consumer", block_size=32, chunk_blocks=8, cpu_gb=0.5,
-        disk_dir=tmp_path / "disk", disk_gb=1, mooncake_rpc_port=51151, mooncake_http_port=51180,
+        tmp_path / "lmc.yaml",
+        role="kv_consumer",
+        block_size=32,
+        chunk_blocks=8,
+        cpu_gb=0.5,
+        disk_dir=tmp_path / "disk",
+        disk_gb=1,
+        mooncake_rpc_port=51151,
+        mooncake_http_port=51180,
     )
-    assert kvt == {"kv_connector": "LMCacheCPUConnectorV1", "kv_connector_module_path": "switchyard.kvbus.lmcache_cpu",
-                   "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
+    assert kvt == {
+        "kv_connector": "LMCacheCPUConnectorV1",
+        "kv_connector_module_path": "switchyard.kvbus.lmcache_cpu",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+    }
     cfg = load_engine_config_with_overrides(config_file_path=env["LMCACHE_CONFIG_FILE"])
     assert cfg.chunk_size == 256 and cfg.pre_caching_hash_algorithm == "sha256_cbor"
     assert cfg.remote_url == "mooncakestore://127.0.0.1:51151/"

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.factories import make_spec
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import WorkerMatch
 from switchyard.scheduler.policies import POLICIES, PlacementView, Prefix, Switchyard, decode_cost, make_policy
 from switchyard.scheduler.state import Tracked, WorkerState
+from tests.support.factories import make_spec
 
 
-def worker(wid: str, load: int = 0, requests: int = 0, rate: float = 10_000.0, budget: int = 100_000,
-           role: str = "prefill") -> WorkerState:
-    w = WorkerState(worker_id=wid, role=role, token_budget=budget, block_size=16, last_seen=0.0,
-                    prefill_rate=rate)
+def worker(
+    wid: str, load: int = 0, requests: int = 0, rate: float = 10_000.0, budget: int = 100_000, role: str = "prefill"
+) -> WorkerState:
+    w = WorkerState(worker_id=wid, role=role, token_budget=budget, block_size=16, last_seen=0.0, prefill_rate=rate)
     per = load // max(1, requests)
     for i in range(requests):
         w.assign(f"{wid}-r{i}", per if i < requests - 1 else load - per * (requests - 1))
@@ -27,8 +27,9 @@ def tracked(prompt_len: int = 1600) -> Tracked:
 
 def view(matches: dict[str, tuple[int, int]] | None = None, credit: float = 0.8, prompt: int = 1600) -> PlacementView:
     found = {wid: WorkerMatch(wid, device, blocks) for wid, (device, blocks) in (matches or {}).items()}
-    return PlacementView.of(found, block_size=16, prefill_rate=lambda w: w.prefill_rate, fetch_credit=credit,
-                            prompt_tokens=prompt)
+    return PlacementView.of(
+        found, block_size=16, prefill_rate=lambda w: w.prefill_rate, fetch_credit=credit, prompt_tokens=prompt
+    )
 
 
 def test_registry_names_and_unknown_policy() -> None:

@@ -14,12 +14,21 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.factories import make_spec, prompt_of
 from switchyard.kvbus.keys import block_keys, salt_for
 from switchyard.scheduler.index import PrefixIndex, WorkerMatch
-from switchyard.schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot, PrefillTask, codec
+from switchyard.schemas import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    KvEventBatch,
+    KvSnapshot,
+    PrefillTask,
+    codec,
+)
 from switchyard.workers.kv_events import KvReporter
 from switchyard.workers.sim import SimEngine, SimEngineConfig
+from tests.support.factories import make_spec, prompt_of
 
 BLOCK = 16
 TIERS = ("device", "host", "disk", "cluster")
@@ -280,7 +289,7 @@ def test_approx_bytes_is_within_a_quarter_of_what_is_allocated() -> None:
     keys = [rng.getrandbits(64) for _ in range(20_000)]
     # Four workers, each sharing half its keys with the next; decoded off the wire inside the
     # measurement, as the service does, so the key ints the index keeps are counted.
-    wire = [codec.KV_SNAPSHOT.encode(snapshot(f"p{i}", host=keys[i * 4000:(i + 2) * 4000])) for i in range(4)]
+    wire = [codec.KV_SNAPSHOT.encode(snapshot(f"p{i}", host=keys[i * 4000 : (i + 2) * 4000])) for i in range(4)]
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
@@ -291,8 +300,10 @@ def test_approx_bytes_is_within_a_quarter_of_what_is_allocated() -> None:
     finally:
         tracemalloc.stop()
     estimate = index.approx_bytes()
-    print(f"{index.entries} pairs on {len(index._holders)} keys: approx_bytes {estimate}, "
-          f"allocated {allocated} ({allocated / index.entries:.0f} B per pair)")
+    print(
+        f"{index.entries} pairs on {len(index._holders)} keys: approx_bytes {estimate}, "
+        f"allocated {allocated} ({allocated / index.entries:.0f} B per pair)"
+    )
     assert 0.75 * allocated <= estimate <= 1.25 * allocated
 
 
@@ -352,13 +363,14 @@ class RandomFleet:
         self.seq: dict[str, int] = {}
         # Prompts sharing prefixes, as real traffic does: a few roots, branches off them.
         roots = [chain(12, start=s) for s in range(3)]
-        self.prompts = [r[: self.rng.randint(1, 12)] + chain(self.rng.randint(0, 6), start=100 + i)
-                        for i, r in enumerate(roots * 3)]
+        self.prompts = [
+            r[: self.rng.randint(1, 12)] + chain(self.rng.randint(0, 6), start=100 + i) for i, r in enumerate(roots * 3)
+        ]
 
     def keys(self) -> list[int]:
         prompt = self.rng.choice(self.prompts)
         start = self.rng.randint(0, len(prompt) - 1) if self.rng.random() < 0.2 else 0
-        return prompt[start: self.rng.randint(start + 1, len(prompt))]
+        return prompt[start : self.rng.randint(start + 1, len(prompt))]
 
     def event(self) -> KvEvent:
         roll, tier = self.rng.random(), self.rng.choice(TIERS)

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from switchyard.scheduler import BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
+from switchyard.schemas import Admitted, DecodeTask, PrefillTask, Rejected, RequestSpec, WorkerEvent
 from tests.support.factories import (
     FakeClock,
     load_report,
@@ -22,8 +24,6 @@ from tests.support.factories import (
     request_finished,
     worker_leaving,
 )
-from switchyard.scheduler import BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
-from switchyard.schemas import Admitted, DecodeTask, PrefillTask, Rejected, RequestSpec, WorkerEvent
 
 
 class Harness:
@@ -249,7 +249,7 @@ def test_lower_priority_number_is_dispatched_first() -> None:
     order = []
     done = blocker
     for _ in range(5):
-        (rid, _wid), = dispatched(h.event(prefill_done(done, "p1")))
+        ((rid, _wid),) = dispatched(h.event(prefill_done(done, "p1")))
         order.append(rid)
         done = h.core.requests[rid].spec
     assert order == ["chat-1", "chat-2", "mid", "batch-1", "batch-2"]
@@ -302,8 +302,7 @@ def test_prefill_done_dispatches_decode_to_the_worker_holding_fewest_tokens() ->
     assert dispatched(h.event(prefill_done(first, "p1")), DecodeTask) == [("r1", "d1")]
     done = prefill_done(second, "p1", first_token=4321, cached=16, prefill_s=0.2)
     actions = h.event(done)
-    assert actions == [Dispatch("d2", DecodeTask(spec=second, handle=done.handle,
-                                                 first_token=4321, usage=done.usage))]
+    assert actions == [Dispatch("d2", DecodeTask(spec=second, handle=done.handle, first_token=4321, usage=done.usage))]
     assert (h.load("d1"), h.load("d2")) == (150, 30 + second.sampling.max_tokens)
     assert h.load("p1") == 0
     assert h.phase("r2") == "decode"
@@ -382,8 +381,7 @@ def test_silent_decode_worker_fails_its_streams_with_worker_lost() -> None:
     h.report("p1", "prefill", 10_000)
     h.report(survivor, "decode", 10_000)
     actions = h.tick()
-    assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [
-        ("ing-B", "b", "worker_lost")]
+    assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [("ing-B", "b", "worker_lost")]
     assert dispatches(actions) == []
     assert "b" not in h.core.requests and h.phase("a") == "decode"
 
@@ -416,8 +414,7 @@ def test_prefill_requests_fail_once_dispatch_attempts_are_spent() -> None:
     assert dispatched(h.event(worker_leaving("p1"))) == [("r", "p2")]
     h.report("p3", "prefill")
     actions = h.event(worker_leaving("p2"))
-    assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [
-        ("ing-Z", "r", "worker_lost")]
+    assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [("ing-Z", "r", "worker_lost")]
     assert dispatches(actions) == [] and "r" not in h.core.requests
 
 
@@ -459,7 +456,8 @@ def test_refused_prefill_is_retried_then_fails_after_max_attempts() -> None:
         attempts += dispatched(actions or h.tick())
     assert attempts == [("r", "p1")] * 3
     assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [
-        ("ing-Q", "r", "dispatch_failed")]
+        ("ing-Q", "r", "dispatch_failed")
+    ]
     assert "r" not in h.core.requests and h.load("p1") == 0
 
 
@@ -574,7 +572,9 @@ def test_status_reports_workers_and_queue() -> None:
     h.admit(make_spec("r2", prompt_len=30))
     status = h.core.status()
     assert [(w.worker_id, w.role, w.inflight_tokens, w.running) for w in status.workers] == [
-        ("d1", "decode", 0, 0), ("p1", "prefill", 100, 1)]
+        ("d1", "decode", 0, 0),
+        ("p1", "prefill", 100, 1),
+    ]
     assert (status.queued_requests, status.queued_tokens) == (1, 30)
 
 
@@ -592,8 +592,7 @@ class RandomCluster:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
-        self.h = Harness(max_queued_tokens=600, worker_expiry_s=2.0, max_dispatch_attempts=2,
-                         session_ttl_s=5.0)
+        self.h = Harness(max_queued_tokens=600, worker_expiry_s=2.0, max_dispatch_attempts=2, session_ttl_s=5.0)
         self.budgets: dict[str, int] = {}
         self.live: dict[str, str] = {}  # worker_id -> role
         self.dead: set[str] = set()
@@ -664,19 +663,33 @@ class RandomCluster:
     # --- random inputs ----------------------------------------------------------------------
 
     def step(self) -> None:
-        ops = [(self.submit, 25), (self.add_worker, 4 if len(self.live) < 6 else 1),
-               (self.heartbeat, 10), (self.complete_prefill, 15), (self.fail_prefill, 2),
-               (self.finish_decode, 15), (self.cancel, 5), (self.kill, 2), (self.leave, 1),
-               (self.late_result, 3), (self.tick, 8)]
+        ops = [
+            (self.submit, 25),
+            (self.add_worker, 4 if len(self.live) < 6 else 1),
+            (self.heartbeat, 10),
+            (self.complete_prefill, 15),
+            (self.fail_prefill, 2),
+            (self.finish_decode, 15),
+            (self.cancel, 5),
+            (self.kill, 2),
+            (self.leave, 1),
+            (self.late_result, 3),
+            (self.tick, 8),
+        ]
         op = self.rng.choices([o for o, _ in ops], weights=[w for _, w in ops])[0]
         op()
 
     def submit(self) -> None:
         self.made += 1
         rng = self.rng
-        spec = make_spec(f"r{self.made}", prompt_len=rng.randint(1, 150), max_tokens=rng.randint(1, 30),
-                         priority=rng.choice([0, 0, 1, 2]), session=rng.choice([None, None, "s1", "s2"]),
-                         ingress_id=rng.choice(["ing-1", "ing-2"]))
+        spec = make_spec(
+            f"r{self.made}",
+            prompt_len=rng.randint(1, 150),
+            max_tokens=rng.randint(1, 30),
+            priority=rng.choice([0, 0, 1, 2]),
+            session=rng.choice([None, None, "s1", "s2"]),
+            ingress_id=rng.choice(["ing-1", "ing-2"]),
+        )
         self.history.append(f"submit {spec.request_id} ({len(spec.prompt_tokens)} tokens)")
         reply, actions = self.h.submit(spec)
         if isinstance(reply, Admitted):
@@ -704,8 +717,7 @@ class RandomCluster:
             self.apply("report", wid, lambda: self.h.report(wid, role, self.budgets[wid]))
 
     def _pick(self, kind: type, workers) -> tuple[str, str, Any] | None:
-        found = [(w, r, t) for w in sorted(workers) for r, t in self.running.get(w, {}).items()
-                 if isinstance(t, kind)]
+        found = [(w, r, t) for w in sorted(workers) for r, t in self.running.get(w, {}).items() if isinstance(t, kind)]
         return self.rng.choice(found) if found else None
 
     def _result(self, wid: str, rid: str, task: Any, fail: bool = False) -> None:
@@ -836,7 +848,7 @@ def test_a_refused_dispatch_is_retried_at_once() -> None:
     h = Harness()
     cluster(h, {"p1": 10_000, "p2": 10_000}, {"d1": 10_000})
     spec = make_spec("r")
-    (rid, first), = dispatched(h.admit(spec))
+    ((rid, first),) = dispatched(h.admit(spec))
     actions = h.dispatch_failed(first, "r", "refused")
     assert len(dispatched(actions)) == 1 and failures(actions) == []
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.factories import FakeClock, load_report, make_spec, prefill_done, request_finished
 from switchyard.scheduler import BindSession, Dispatch, FailStream, SchedulerConfig, SchedulerCore
 from switchyard.scheduler.sessions import Binding
 from switchyard.schemas import Admitted, DecodeTask, LocalTask, PrefillTask, Rejected
+from tests.support.factories import FakeClock, load_report, make_spec, prefill_done, request_finished
 
 
 class Core:
@@ -33,8 +33,11 @@ class Core:
 
 
 def dispatches(actions, kind=None) -> list[tuple[str, str]]:
-    return [(a.task.spec.request_id, a.worker_id) for a in actions
-            if isinstance(a, Dispatch) and (kind is None or isinstance(a.task, kind))]
+    return [
+        (a.task.spec.request_id, a.worker_id)
+        for a in actions
+        if isinstance(a, Dispatch) and (kind is None or isinstance(a.task, kind))
+    ]
 
 
 # --- the fair queue ------------------------------------------------------------------------------
@@ -115,7 +118,7 @@ def test_a_session_returns_to_its_worker_and_is_persisted() -> None:
         c.worker(wid, "prefill")
     c.worker("d", "decode")
     _, actions = c.submit(make_spec("a", session="chat-1", tenant="t"))
-    (_, home), = dispatches(actions, PrefillTask)
+    ((_, home),) = dispatches(actions, PrefillTask)
     binds = [a.binding for a in actions if isinstance(a, BindSession)]
     assert [(b.tenant, b.session, b.worker_id) for b in binds] == [("t", "chat-1", home)]
     for i in range(4):  # round robin would move it; the binding holds it
@@ -192,7 +195,7 @@ def test_a_lost_local_task_is_queued_again() -> None:
     c.worker("p", "prefill")
     c.worker("d1", "decode")
     _, actions = c.submit(make_spec("short", prompt_len=32))
-    (_, first), = dispatches(actions, LocalTask)
+    ((_, first),) = dispatches(actions, LocalTask)
     c.worker("d2", "decode")
     retried = c.core.on_dispatch_failed(first, "short", "no_responders", c.clock.now)
     assert [w for _, w in dispatches(retried)] == ["d2"]
@@ -206,7 +209,7 @@ def test_colocated_workers_decode_where_they_prefill() -> None:
     spec = make_spec("a", prompt_len=100, max_tokens=20)
     reply, actions = c.submit(spec)
     assert isinstance(reply, Admitted)
-    (_, home), = dispatches(actions, PrefillTask)
+    ((_, home),) = dispatches(actions, PrefillTask)
     assert c.event(prefill_done(spec, home)) == []
     w = c.core.workers[home]
     # two ledgers: its prefill budget is free again, its KV holds the sequence
@@ -219,8 +222,7 @@ def test_a_colocated_worker_with_full_kv_takes_no_new_prompt() -> None:
     from tests.support.factories import load_report
 
     c = Core()
-    c.core.on_event(msgspec_replace(load_report("w", "both", budget=1000, seq=1), kv_capacity_tokens=150),
-                    c.clock.now)
+    c.core.on_event(msgspec_replace(load_report("w", "both", budget=1000, seq=1), kv_capacity_tokens=150), c.clock.now)
     first = make_spec("a", prompt_len=100, max_tokens=20)
     c.submit(first)
     c.event(prefill_done(first, "w"))
@@ -248,8 +250,8 @@ def _snapshot(worker_id: str, seq: int, keys: list[int]):
 
 
 def test_a_heartbeat_ahead_of_the_index_asks_a_snapshot() -> None:
-    from tests.support.factories import load_report
     from switchyard.scheduler import RequestSnapshot
+    from tests.support.factories import load_report
 
     c = Core()
     c.worker("p", "prefill")

@@ -20,14 +20,29 @@ from switchyard.schemas import messages as m
 from switchyard.schemas.codec import Codec
 
 SPEC = m.RequestSpec(
-    request_id="r-42", ingress_id="ing-7", model="sim-tiny", prompt_tokens=[5, 6, 7, 8, 9],
-    block_size=4, block_keys=[2**63 + 11],
+    request_id="r-42",
+    ingress_id="ing-7",
+    model="sim-tiny",
+    prompt_tokens=[5, 6, 7, 8, 9],
+    block_size=4,
+    block_keys=[2**63 + 11],
     sampling=m.SamplingParams(max_tokens=17, temperature=0.25, top_p=0.5, seed=1234),
-    tenant="acme", session="sess-1", priority=3, deadline_s=2.5,
+    tenant="acme",
+    session="sess-1",
+    priority=3,
+    deadline_s=2.5,
 )
 HANDLE = m.SimKvHandle(worker_id="p-1", block_keys=[2**64 - 1, 3], num_tokens=5)
-STATS = m.EngineStats(prompt_tokens=700, computed_tokens=60, local_cache_hit_tokens=320, external_hit_tokens=320,
-                      kv_fallbacks=1, spec_drafts=5, spec_draft_tokens=15, spec_accepted_tokens=9)
+STATS = m.EngineStats(
+    prompt_tokens=700,
+    computed_tokens=60,
+    local_cache_hit_tokens=320,
+    external_hit_tokens=320,
+    kv_fallbacks=1,
+    spec_drafts=5,
+    spec_draft_tokens=15,
+    spec_accepted_tokens=9,
+)
 USAGE = m.PromptUsage(prompt_tokens=5, cached_tokens=4, queued_s=0.125, prefill_s=0.5, batch_tokens=40)
 
 # (codec of the subject, message): each message is sent on exactly this subject.
@@ -35,49 +50,125 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
     ("submit", codec.SCHEDULER_REQUEST, m.SubmitRequest(spec=SPEC)),
     ("status", codec.SCHEDULER_REQUEST, m.StatusRequest()),
     ("admitted", codec.SCHEDULER_REPLY, m.Admitted(request_id="r-42", queue_position=3)),
-    ("rejected", codec.SCHEDULER_REPLY,
-     m.Rejected(request_id="r-42", reason="overloaded", message="busy", retry_after_s=2.5)),
-    ("cluster_status", codec.SCHEDULER_REPLY, m.ClusterStatus(
-        workers=[m.WorkerSummary(worker_id="d-1", role="decode", inflight_tokens=99, running=2, engine="vllm",
-                                 boot_s=31.5, stats=STATS)],
-        queued_requests=4, queued_tokens=400)),
+    (
+        "rejected",
+        codec.SCHEDULER_REPLY,
+        m.Rejected(request_id="r-42", reason="overloaded", message="busy", retry_after_s=2.5),
+    ),
+    (
+        "cluster_status",
+        codec.SCHEDULER_REPLY,
+        m.ClusterStatus(
+            workers=[
+                m.WorkerSummary(
+                    worker_id="d-1",
+                    role="decode",
+                    inflight_tokens=99,
+                    running=2,
+                    engine="vllm",
+                    boot_s=31.5,
+                    stats=STATS,
+                )
+            ],
+            queued_requests=4,
+            queued_tokens=400,
+        ),
+    ),
     ("prefill_task", codec.WORKER_TASK, m.PrefillTask(spec=SPEC, queued_s=0.75)),
-    ("decode_task", codec.WORKER_TASK,
-     m.DecodeTask(spec=SPEC, handle=HANDLE, first_token=777, usage=USAGE)),
+    ("decode_task", codec.WORKER_TASK, m.DecodeTask(spec=SPEC, handle=HANDLE, first_token=777, usage=USAGE)),
     ("local_task", codec.WORKER_TASK, m.LocalTask(spec=SPEC, queued_s=0.25)),
     ("task_ack", codec.TASK_ACK, m.TaskAck(request_id="r-42", accepted=True, reason="fine")),
-    ("load", codec.WORKER_EVENT, m.LoadReport(
-        worker_id="p-1", role="decode", seq=9, engine="sim", model="sim-tiny", block_size=32,
-        token_budget=5000, inflight_tokens=123, running=4, interval_s=0.25, kv_seq=12,
-        kv_capacity_tokens=90_000, boot_s=12.5, stats=STATS)),
-    ("prefill_done", codec.WORKER_EVENT, m.PrefillDone(
-        worker_id="p-1", request_id="r-42", handle=HANDLE, first_token=777, usage=USAGE,
-        finished=True)),
-    ("prefill_failed", codec.WORKER_EVENT,
-     m.PrefillFailed(worker_id="p-1", request_id="r-42", message="oom")),
-    ("finished", codec.WORKER_EVENT,
-     m.RequestFinished(worker_id="d-1", request_id="r-42", generated_tokens=17, reason="stop",
-                       kv_expected_tokens=640, kv_loaded_tokens=608)),
-    *[(f"decode_task_{handle.__struct_config__.tag}", codec.WORKER_TASK,
-       m.DecodeTask(spec=SPEC, handle=handle, first_token=777, usage=USAGE)) for handle in (
-        m.MooncakeStoreKvHandle(worker_id="p-1", num_tokens=700, block_size=32),
-        m.LmcacheKvHandle(worker_id="p-2", num_tokens=701, block_size=64),
-        m.NixlKvHandle(worker_id="p-3", num_tokens=702, block_size=16,
-                       params='{"remote_block_ids": [1, 2], "remote_engine_id": "e"}'))],
+    (
+        "load",
+        codec.WORKER_EVENT,
+        m.LoadReport(
+            worker_id="p-1",
+            role="decode",
+            seq=9,
+            engine="sim",
+            model="sim-tiny",
+            block_size=32,
+            token_budget=5000,
+            inflight_tokens=123,
+            running=4,
+            interval_s=0.25,
+            kv_seq=12,
+            kv_capacity_tokens=90_000,
+            boot_s=12.5,
+            stats=STATS,
+        ),
+    ),
+    (
+        "prefill_done",
+        codec.WORKER_EVENT,
+        m.PrefillDone(worker_id="p-1", request_id="r-42", handle=HANDLE, first_token=777, usage=USAGE, finished=True),
+    ),
+    ("prefill_failed", codec.WORKER_EVENT, m.PrefillFailed(worker_id="p-1", request_id="r-42", message="oom")),
+    (
+        "finished",
+        codec.WORKER_EVENT,
+        m.RequestFinished(
+            worker_id="d-1",
+            request_id="r-42",
+            generated_tokens=17,
+            reason="stop",
+            kv_expected_tokens=640,
+            kv_loaded_tokens=608,
+        ),
+    ),
+    *[
+        (
+            f"decode_task_{handle.__struct_config__.tag}",
+            codec.WORKER_TASK,
+            m.DecodeTask(spec=SPEC, handle=handle, first_token=777, usage=USAGE),
+        )
+        for handle in (
+            m.MooncakeStoreKvHandle(worker_id="p-1", num_tokens=700, block_size=32),
+            m.LmcacheKvHandle(worker_id="p-2", num_tokens=701, block_size=64),
+            m.NixlKvHandle(
+                worker_id="p-3",
+                num_tokens=702,
+                block_size=16,
+                params='{"remote_block_ids": [1, 2], "remote_engine_id": "e"}',
+            ),
+        )
+    ],
     ("leaving", codec.WORKER_EVENT, m.WorkerLeaving(worker_id="d-1")),
     ("roll_call", codec.ROLL_CALL, m.RollCall(scheduler_id="sched-1")),
-    ("kv_events", codec.KV_EVENTS, m.KvEventBatch(worker_id="p-1", seq=7, events=[
-        m.BlocksStored(keys=[1, 2**64 - 1], tier="host"), m.BlocksRemoved(keys=[3], tier="disk"),
-        m.AllBlocksCleared()])),
+    (
+        "kv_events",
+        codec.KV_EVENTS,
+        m.KvEventBatch(
+            worker_id="p-1",
+            seq=7,
+            events=[
+                m.BlocksStored(keys=[1, 2**64 - 1], tier="host"),
+                m.BlocksRemoved(keys=[3], tier="disk"),
+                m.AllBlocksCleared(),
+            ],
+        ),
+    ),
     ("kv_snapshot_request", codec.KV_SNAPSHOT_REQUEST, m.KvSnapshotRequest(scheduler_id="sched-2")),
-    ("kv_snapshot", codec.KV_SNAPSHOT,
-     m.KvSnapshot(worker_id="p-1", seq=7, blocks={"device": [1, 2], "cluster": [3]})),
+    ("kv_snapshot", codec.KV_SNAPSHOT, m.KvSnapshot(worker_id="p-1", seq=7, blocks={"device": [1, 2], "cluster": [3]})),
     ("cancel", codec.CANCEL, m.Cancel(request_id="r-42", reason="deadline")),
-    ("stream_batch", codec.STREAM_BATCH, m.StreamBatch(sender="d-1", chunks=[
-        m.StreamChunk(request_id="r-42", seq=3, token_ids=[1, 2], finish_reason="length",
-                      usage=USAGE, error=m.StreamError(code="worker_lost", message="gone")),
-        m.StreamChunk(request_id="r-43", seq=0, token_ids=[9]),
-    ])),
+    (
+        "stream_batch",
+        codec.STREAM_BATCH,
+        m.StreamBatch(
+            sender="d-1",
+            chunks=[
+                m.StreamChunk(
+                    request_id="r-42",
+                    seq=3,
+                    token_ids=[1, 2],
+                    finish_reason="length",
+                    usage=USAGE,
+                    error=m.StreamError(code="worker_lost", message="gone"),
+                ),
+                m.StreamChunk(request_id="r-43", seq=0, token_ids=[9]),
+            ],
+        ),
+    ),
 ]
 
 
@@ -110,8 +201,11 @@ def _non_default(struct: msgspec.Struct) -> bool:
 
 
 def _catalogue() -> set[type]:
-    return {obj for name in messages.__all__ if inspect.isclass(obj := getattr(messages, name))
-            and issubclass(obj, msgspec.Struct)}
+    return {
+        obj
+        for name in messages.__all__
+        if inspect.isclass(obj := getattr(messages, name)) and issubclass(obj, msgspec.Struct)
+    }
 
 
 def test_every_message_struct_has_a_fully_non_default_round_trip_case() -> None:
@@ -128,8 +222,12 @@ def test_the_catalogue_is_not_trivially_empty() -> None:
 
 
 def test_every_union_variant_decodes_on_its_subject() -> None:
-    unions = {codec.SCHEDULER_REQUEST: m.SchedulerRequest, codec.SCHEDULER_REPLY: m.SchedulerReply,
-              codec.WORKER_TASK: m.WorkerTask, codec.WORKER_EVENT: m.WorkerEvent}
+    unions = {
+        codec.SCHEDULER_REQUEST: m.SchedulerRequest,
+        codec.SCHEDULER_REPLY: m.SchedulerReply,
+        codec.WORKER_TASK: m.WorkerTask,
+        codec.WORKER_EVENT: m.WorkerEvent,
+    }
     for codec_, union in unions.items():
         sent = {type(message) for _, c, message in CASES if c is codec_}
         assert sent == set(union.__args__), f"{union}: cases for {sent}"
@@ -165,8 +263,9 @@ def test_missing_fields_with_defaults_take_their_defaults() -> None:
     assert chunk.token_ids == [] and chunk.error is None
 
 
-@pytest.mark.parametrize("codec_", [codec.SCHEDULER_REQUEST, codec.SCHEDULER_REPLY,
-                                    codec.WORKER_TASK, codec.WORKER_EVENT])
+@pytest.mark.parametrize(
+    "codec_", [codec.SCHEDULER_REQUEST, codec.SCHEDULER_REPLY, codec.WORKER_TASK, codec.WORKER_EVENT]
+)
 def test_unknown_tag_is_a_validation_error(codec_: Codec[Any]) -> None:
     data = msgspec.msgpack.encode({"type": "bogus", "request_id": "r-1", "worker_id": "w"})
     with pytest.raises(msgspec.ValidationError, match="bogus"):
@@ -202,13 +301,15 @@ SUBJECT_RE = re.compile(r"^sy\.v1(\.[A-Za-z0-9_-]+)+$")
 
 
 def _subject_constants() -> dict[str, str]:
-    return {name: value for name, value in vars(subjects).items()
-            if name.isupper() and isinstance(value, str) and name not in NOT_SUBJECTS}
+    return {
+        name: value
+        for name, value in vars(subjects).items()
+        if name.isupper() and isinstance(value, str) and name not in NOT_SUBJECTS
+    }
 
 
 def _all_subjects() -> list[str]:
-    return [*_subject_constants().values(), subjects.worker_tasks("prefill-1a2b"),
-            subjects.stream("ingress-9")]
+    return [*_subject_constants().values(), subjects.worker_tasks("prefill-1a2b"), subjects.stream("ingress-9")]
 
 
 def test_subject_constants_are_found() -> None:

@@ -11,9 +11,9 @@ import anyio.lowlevel
 import pytest
 
 import switchyard.workers.sim as sim
-from tests.support.factories import make_spec, prompt_of, usage_of
 from switchyard.schemas import DecodeTask, PrefillTask, RequestSpec, SimKvHandle
 from switchyard.workers.sim import SimCostModel, SimEngine, SimEngineConfig, sampling_key
+from tests.support.factories import make_spec, prompt_of, usage_of
 
 BLOCK = 16
 
@@ -128,7 +128,8 @@ def test_seeded_and_sampled_keys() -> None:
     seeded = [make_spec(rid, prompt=tokens, temperature=1.0, seed=7) for rid in ("a", "b")]
     assert sampling_key(prefill_task(seeded[0])) == sampling_key(prefill_task(seeded[1]))
     assert sampling_key(prefill_task(seeded[0])) != sampling_key(
-        prefill_task(make_spec("a", prompt=tokens, temperature=1.0, seed=8)))
+        prefill_task(make_spec("a", prompt=tokens, temperature=1.0, seed=8))
+    )
     sampled = [make_spec(rid, prompt=tokens, temperature=1.0) for rid in ("a", "b")]
     # Sampled without a seed: a fresh key per request, but the same one on both of its workers.
     assert sampling_key(prefill_task(sampled[0])) != sampling_key(prefill_task(sampled[1]))
@@ -152,9 +153,7 @@ def test_empty_token_range_is_refused() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("max_tokens", [2, 3, 8])
-async def test_decode_emits_max_tokens_minus_one_then_length(
-    sleeps: list[float], max_tokens: int
-) -> None:
+async def test_decode_emits_max_tokens_minus_one_then_length(sleeps: list[float], max_tokens: int) -> None:
     eng = engine()
     spec = make_spec(prompt_len=20, max_tokens=max_tokens)
     eng.add(decode_task(spec))
@@ -179,7 +178,9 @@ async def test_continuous_batch_steps_every_running_sequence(sleeps: list[float]
     assert eng.running == 1
     rest = [await eng.step(), await eng.step()]
     assert [[(o.request_id, o.position, o.finished) for o in s] for s in rest] == [
-        [("long", 2, None)], [("long", 3, "length")]]
+        [("long", 2, None)],
+        [("long", 3, "length")],
+    ]
 
 
 @pytest.mark.anyio
@@ -201,8 +202,9 @@ async def test_abort_frees_held_tokens(sleeps: list[float]) -> None:
 
 
 def test_cost_model_is_linear() -> None:
-    cost = SimCostModel(prefill_base_s=0.01, prefill_per_token_s=0.001,
-                        decode_step_base_s=0.002, decode_step_per_seq_s=0.0005)
+    cost = SimCostModel(
+        prefill_base_s=0.01, prefill_per_token_s=0.001, decode_step_base_s=0.002, decode_step_per_seq_s=0.0005
+    )
     assert cost.prefill_s(0) == pytest.approx(0.01)
     assert cost.prefill_s(1000) == pytest.approx(1.01)
     assert cost.decode_step_s(8) == pytest.approx(0.006)
@@ -248,8 +250,7 @@ async def test_prefill_result_carries_handle_and_usage(sleeps: list[float]) -> N
     spec = make_spec("r1", prompt_len=3 * BLOCK)
     (result,) = await eng.prefill([prefill_task(spec)])
     assert result.request_id == "r1"
-    assert result.handle == SimKvHandle(worker_id="sim-1", block_keys=spec.block_keys,
-                                        num_tokens=3 * BLOCK)
+    assert result.handle == SimKvHandle(worker_id="sim-1", block_keys=spec.block_keys, num_tokens=3 * BLOCK)
     assert result.prefill_s >= 0.0
 
 
@@ -257,8 +258,10 @@ async def test_prefill_result_carries_handle_and_usage(sleeps: list[float]) -> N
 
 
 def _tiered(device: int, host: int, fetch: float = 0.0) -> SimEngine:
-    return SimEngine(SimEngineConfig(cache_blocks=device, host_cache_blocks=host,
-                                     cost=SimCostModel(host_fetch_per_token_s=fetch)), "w")
+    return SimEngine(
+        SimEngineConfig(cache_blocks=device, host_cache_blocks=host, cost=SimCostModel(host_fetch_per_token_s=fetch)),
+        "w",
+    )
 
 
 @pytest.mark.anyio

@@ -22,9 +22,7 @@ def tok() -> ModelTokenizer:
 
 
 def test_shipped_model_loads(tok: ModelTokenizer) -> None:
-    assert tok.info == ModelInfo(
-        name="switchyard-sim", max_context=4096, vocab_size=4096, eos_token_id=4095
-    )
+    assert tok.info == ModelInfo(name="switchyard-sim", max_context=4096, vocab_size=4096, eos_token_id=4095)
     assert tok.sample_token_ids() == range(0, 4093)
 
 
@@ -50,9 +48,7 @@ CONVERSATION = [
     {"role": "user", "content": "Hi there"},
 ]
 EXPECTED_CHATML = (
-    "<|im_start|>system\nYou are terse.<|im_end|>\n"
-    "<|im_start|>user\nHi there<|im_end|>\n"
-    "<|im_start|>assistant\n"
+    "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
 )
 
 

@@ -21,12 +21,19 @@ def test_mooncake_store_is_the_default_transfer_with_recompute_on_failed_loads(t
     config = VllmEngineConfig()
     prefill = config.engine_args("m", "prefill", tmp_path, "ipc:///x")
     decode = config.engine_args("m", "decode", tmp_path, None)
-    assert prefill["kv_transfer_config"] == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                                             "kv_load_failure_policy": "recompute"}
+    assert prefill["kv_transfer_config"] == {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
     assert decode["kv_transfer_config"]["kv_role"] == "kv_consumer"
     assert prefill["prefix_caching_hash_algo"] == "sha256_cbor" and prefill["enable_prefix_caching"]
-    assert prefill["kv_events_config"] == {"enable_kv_cache_events": True, "publisher": "zmq",
-                                           "endpoint": "ipc:///x", "topic": "kv"}
+    assert prefill["kv_events_config"] == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "ipc:///x",
+        "topic": "kv",
+    }
     assert "kv_events_config" not in decode
 
 
@@ -37,15 +44,32 @@ def test_nixl_and_none(tmp_path) -> None:
 
 
 def test_sizes_and_parallelism_pass_through(tmp_path) -> None:
-    config = VllmEngineConfig(block_size=64, dtype="float32", max_model_len=8192, max_num_seqs=8,
-                              kv_cache_bytes=1 << 26, enforce_eager=True, seed=3,
-                              parallel=ParallelSettings(tensor=2, pipeline=2, data=2, expert=True))
+    config = VllmEngineConfig(
+        block_size=64,
+        dtype="float32",
+        max_model_len=8192,
+        max_num_seqs=8,
+        kv_cache_bytes=1 << 26,
+        enforce_eager=True,
+        seed=3,
+        parallel=ParallelSettings(tensor=2, pipeline=2, data=2, expert=True),
+    )
     args = config.engine_args("/models/k2", "decode", tmp_path, None)
     assert args | {} == args  # a plain dict
-    expected = {"model": "/models/k2", "block_size": 64, "dtype": "float32", "max_model_len": 8192,
-                "max_num_seqs": 8, "kv_cache_memory_bytes": 1 << 26, "enforce_eager": True, "seed": 3,
-                "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2,
-                "enable_expert_parallel": True}
+    expected = {
+        "model": "/models/k2",
+        "block_size": 64,
+        "dtype": "float32",
+        "max_model_len": 8192,
+        "max_num_seqs": 8,
+        "kv_cache_memory_bytes": 1 << 26,
+        "enforce_eager": True,
+        "seed": 3,
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "data_parallel_size": 2,
+        "enable_expert_parallel": True,
+    }
     assert {k: args[k] for k in expected} == expected
 
 
@@ -53,24 +77,31 @@ def test_speculation_goes_to_decode_engines_only(tmp_path) -> None:
     spec = SpeculativeSettings(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3)
     config = VllmEngineConfig(speculative=spec)
     assert config.engine_args("m", "decode", tmp_path, None)["speculative_config"] == {
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
     assert "speculative_config" not in config.engine_args("m", "prefill", tmp_path, None)
     eagle = SpeculativeSettings(method="eagle3", model="/drafts/eagle3", num_speculative_tokens=2)
     assert eagle.engine_config() == {"method": "eagle3", "num_speculative_tokens": 2, "model": "/drafts/eagle3"}
 
 
-@pytest.mark.parametrize(("build", "message"), [
-    (lambda: VllmEngineConfig(block_size=20), "multiple of 16"),
-    (lambda: VllmEngineConfig(hash_seed="not-a-number"), "hash_seed"),
-    (lambda: VllmEngineConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (lambda: VllmEngineConfig(kv_cache_bytes=0), "kv_cache_bytes"),
-    (lambda: ParallelSettings(tensor=0), "tensor parallel size"),
-    (lambda: ParallelSettings(expert=True), "expert parallelism"),
-    (lambda: SpeculativeSettings(method="eagle3"), "needs a draft model"),
-    (lambda: SpeculativeSettings(method="ngram", model="/d"), "takes no draft model"),
-    (lambda: SpeculativeSettings(method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
-    (lambda: SpeculativeSettings(method="ngram", prompt_lookup_min=5, prompt_lookup_max=2), "prompt_lookup"),
-])
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: VllmEngineConfig(block_size=20), "multiple of 16"),
+        (lambda: VllmEngineConfig(hash_seed="not-a-number"), "hash_seed"),
+        (lambda: VllmEngineConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (lambda: VllmEngineConfig(kv_cache_bytes=0), "kv_cache_bytes"),
+        (lambda: ParallelSettings(tensor=0), "tensor parallel size"),
+        (lambda: ParallelSettings(expert=True), "expert parallelism"),
+        (lambda: SpeculativeSettings(method="eagle3"), "needs a draft model"),
+        (lambda: SpeculativeSettings(method="ngram", model="/d"), "takes no draft model"),
+        (lambda: SpeculativeSettings(method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+        (lambda: SpeculativeSettings(method="ngram", prompt_lookup_min=5, prompt_lookup_max=2), "prompt_lookup"),
+    ],
+)
 def test_bad_settings_are_refused_with_their_name(build, message) -> None:
     with pytest.raises(ValueError, match=message):
         build()
@@ -85,8 +116,9 @@ def test_an_engine_spanning_more_devices_than_the_host_has_is_refused() -> None:
 
 
 def test_environment_roots_the_hashes_and_names_the_mooncake_store(tmp_path) -> None:
-    config = VllmEngineConfig(mooncake=MooncakeSettings(master="10.0.0.5:50051",
-                                                        metadata_server="http://10.0.0.5:8080/metadata"))
+    config = VllmEngineConfig(
+        mooncake=MooncakeSettings(master="10.0.0.5:50051", metadata_server="http://10.0.0.5:8080/metadata")
+    )
     env = config.environment(tmp_path)
     assert env["PYTHONHASHSEED"] is None  # vLLM's fixed default root; an inherited seed must not leak in
     store = json.loads((tmp_path / "mooncake.json").read_text())
@@ -105,11 +137,34 @@ def test_worker_config_checks_the_engine_and_ingress_agree_on_blocks() -> None:
 
 
 def test_cli_flags_build_the_engine_config() -> None:
-    args = build_parser().parse_args([
-        "worker", "--role", "decode", "--engine", "vllm", "--model", "/m", "--block-size", "64",
-        "--kv-transfer", "lmcache", "--tensor-parallel-size", "2", "--enable-expert-parallel",
-        "--speculative-method", "ngram", "--num-speculative-tokens", "5", "--kv-cache-bytes", "1048576",
-        "--mooncake-master", "h:1", "--lmcache-disk-dir", "/nvme/lmcache"])
+    args = build_parser().parse_args(
+        [
+            "worker",
+            "--role",
+            "decode",
+            "--engine",
+            "vllm",
+            "--model",
+            "/m",
+            "--block-size",
+            "64",
+            "--kv-transfer",
+            "lmcache",
+            "--tensor-parallel-size",
+            "2",
+            "--enable-expert-parallel",
+            "--speculative-method",
+            "ngram",
+            "--num-speculative-tokens",
+            "5",
+            "--kv-cache-bytes",
+            "1048576",
+            "--mooncake-master",
+            "h:1",
+            "--lmcache-disk-dir",
+            "/nvme/lmcache",
+        ]
+    )
     config = vllm_config(args)
     assert config.kv_transfer == "lmcache" and config.block_size == 64 and config.kv_cache_bytes == 1 << 20
     assert config.parallel == ParallelSettings(tensor=2, expert=True)
@@ -120,9 +175,26 @@ def test_cli_flags_build_the_engine_config() -> None:
 def test_up_passes_the_engine_settings_to_every_worker() -> None:
     from switchyard.up import child_commands
 
-    args = build_parser().parse_args([
-        "up", "--engine", "vllm", "--model", "/m", "--kv-transfer", "lmcache", "--speculative-method", "ngram",
-        "--enforce-eager", "--kv-cache-bytes", "1048576", "--dtype", "float32", "--block-size", "32"])
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--engine",
+            "vllm",
+            "--model",
+            "/m",
+            "--kv-transfer",
+            "lmcache",
+            "--speculative-method",
+            "ngram",
+            "--enforce-eager",
+            "--kv-cache-bytes",
+            "1048576",
+            "--dtype",
+            "float32",
+            "--block-size",
+            "32",
+        ]
+    )
     commands = dict(child_commands(args, "nats://127.0.0.1:4222"))
     for name in ("prefill-0", "decode-0"):
         worker = build_parser().parse_args(commands[name][3:])

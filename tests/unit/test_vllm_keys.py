@@ -7,14 +7,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from switchyard.kvbus import KeyScheme, cache_salt_for, key_of_digest, vllm_block_hashes
-
 # Not skipped without vLLM: `make test` installs it, and its absence is a failure.
-from vllm.distributed import kv_events as vllm_events  # noqa: E402
-from vllm.v1.core import kv_cache_utils  # noqa: E402
-from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.distributed import kv_events as vllm_events
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core import kv_cache_utils
 
-from switchyard.workers.vllm_engine import VllmKvEvents  # noqa: E402
+from switchyard.kvbus import KeyScheme, cache_salt_for, key_of_digest, vllm_block_hashes
+from switchyard.workers.vllm_engine import VllmKvEvents
 
 
 def _engine_hashes(tokens: list[int], block_size: int, salt: str | None) -> list[bytes]:
@@ -30,7 +29,7 @@ def _engine_hashes(tokens: list[int], block_size: int, salt: str | None) -> list
     parent, hashes = None, []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         extra, _ = kv_cache_utils.generate_block_hash_extra_keys(_Request(), start, start + block_size, 0)
-        parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, tokens[start:start + block_size], extra)
+        parent = kv_cache_utils.hash_block_tokens(sha256_cbor, parent, tokens[start : start + block_size], extra)
         hashes.append(parent)
     return hashes
 
@@ -49,8 +48,10 @@ def test_a_seed_changes_every_hash_and_the_salt_only_through_the_first_block(mon
     monkeypatch.setenv("PYTHONHASHSEED", "1234")
     assert vllm_block_hashes(tokens, 32, None, seed="1234") == _engine_hashes(tokens, 32, None)
     assert vllm_block_hashes(tokens, 32, None, seed="1234") != vllm_block_hashes(tokens, 32, None)
-    a, b = KeyScheme("vllm-sha256-cbor").keys(tokens, 32, "acme", "m"), KeyScheme("vllm-sha256-cbor").keys(
-        tokens, 32, "globex", "m")
+    a, b = (
+        KeyScheme("vllm-sha256-cbor").keys(tokens, 32, "acme", "m"),
+        KeyScheme("vllm-sha256-cbor").keys(tokens, 32, "globex", "m"),
+    )
     assert a[0] != b[0] and a[1] != b[1]  # chained: the salted first block changes all that follow
 
 
@@ -64,12 +65,21 @@ def test_the_bridge_turns_engine_events_into_ingress_keys() -> None:
     salt = cache_salt_for("default", "tiny")
     hashes = vllm_block_hashes(tokens, 32, salt)
     expected = KeyScheme("vllm-sha256-cbor").keys(tokens, 32, "default", "tiny")
-    batch = vllm_events.KVEventBatch(ts=1.0, events=[
-        vllm_events.BlockStored(block_hashes=[kv_cache_utils.maybe_convert_block_hash(h) for h in hashes],
-                                parent_block_hash=None, token_ids=tokens, block_size=32, lora_id=None,
-                                medium="GPU", lora_name=None),
-        vllm_events.BlockRemoved(block_hashes=[hashes[2]], medium="GPU"),  # the bytes form, too
-    ])
+    batch = vllm_events.KVEventBatch(
+        ts=1.0,
+        events=[
+            vllm_events.BlockStored(
+                block_hashes=[kv_cache_utils.maybe_convert_block_hash(h) for h in hashes],
+                parent_block_hash=None,
+                token_ids=tokens,
+                block_size=32,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            ),
+            vllm_events.BlockRemoved(block_hashes=[hashes[2]], medium="GPU"),  # the bytes form, too
+        ],
+    )
     wire = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(msgspec.msgpack.Encoder().encode(batch))
     bridge = VllmKvEvents("ipc:///unused")
     bridge.apply(wire)
@@ -80,9 +90,22 @@ def test_the_bridge_turns_engine_events_into_ingress_keys() -> None:
     assert bridge.take_kv_events() == []
     # What a KV connector wrote to its store (medium "cpu") is the cluster tier, and survives
     # the engine clearing its own cache.
-    bridge.apply(vllm_events.KVEventBatch(ts=2.0, events=[vllm_events.BlockStored(
-        block_hashes=[kv_cache_utils.maybe_convert_block_hash(hashes[0])], parent_block_hash=None,
-        token_ids=tokens[:32], block_size=32, lora_id=None, medium="cpu", lora_name=None)]))
+    bridge.apply(
+        vllm_events.KVEventBatch(
+            ts=2.0,
+            events=[
+                vllm_events.BlockStored(
+                    block_hashes=[kv_cache_utils.maybe_convert_block_hash(hashes[0])],
+                    parent_block_hash=None,
+                    token_ids=tokens[:32],
+                    block_size=32,
+                    lora_id=None,
+                    medium="cpu",
+                    lora_name=None,
+                )
+            ],
+        )
+    )
     assert bridge.take_kv_events()[0].tier == "cluster"
     bridge.apply(vllm_events.KVEventBatch(ts=3.0, events=[vllm_events.AllBlocksCleared()]))
     assert bridge.cached_blocks() == {"cluster": [expected[0]]}
@@ -101,9 +124,22 @@ async def test_waiting_for_the_store_returns_when_the_blocks_are_written() -> No
     async def write_later():
         for h in hashes:
             await asyncio.sleep(0.02)
-            bridge.apply(vllm_events.KVEventBatch(ts=1.0, events=[vllm_events.BlockStored(
-                block_hashes=[kv_cache_utils.maybe_convert_block_hash(h)], parent_block_hash=None, token_ids=[],
-                block_size=32, lora_id=None, medium="cpu", lora_name=None)]))
+            bridge.apply(
+                vllm_events.KVEventBatch(
+                    ts=1.0,
+                    events=[
+                        vllm_events.BlockStored(
+                            block_hashes=[kv_cache_utils.maybe_convert_block_hash(h)],
+                            parent_block_hash=None,
+                            token_ids=[],
+                            block_size=32,
+                            lora_id=None,
+                            medium="cpu",
+                            lora_name=None,
+                        )
+                    ],
+                )
+            )
 
     writer = asyncio.create_task(write_later())
     assert await bridge.wait_stored("cluster", keys, 5)
@@ -119,7 +155,17 @@ def test_a_nixl_handle_tells_the_decode_engine_where_to_pull_from() -> None:
     wire = codec.WORKER_EVENT  # the handle survives the bus inside PrefillDone
     from switchyard.schemas import PrefillDone, PromptUsage
 
-    done = wire.decode(wire.encode(PrefillDone(worker_id="p", request_id="r", handle=handle, first_token=1,
-                                               usage=PromptUsage(prompt_tokens=70, cached_tokens=0), finished=False)))
+    done = wire.decode(
+        wire.encode(
+            PrefillDone(
+                worker_id="p",
+                request_id="r",
+                handle=handle,
+                first_token=1,
+                usage=PromptUsage(prompt_tokens=70, cached_tokens=0),
+                finished=False,
+            )
+        )
+    )
     assert decode_transfer_args(done.handle) == {"kv_transfer_params": params | {"do_remote_prefill": True}}
     assert decode_transfer_args(MooncakeStoreKvHandle(worker_id="p", num_tokens=70, block_size=32)) is None
