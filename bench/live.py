@@ -38,7 +38,8 @@ from switchyard.bench import stack as bench_stack
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import FleetShape
 from switchyard.bench.replay import ReplaySettings, replay
-from switchyard.bench.sim import parse_policies, percentile, summarize
+from switchyard.bench.sim import parse_policies, summarize
+from switchyard.bench.stats import percentile
 from switchyard.bench.traces import TRACE_BLOCK_SIZE, TraceRequest, hit_ratio_bound, read_trace
 
 MODEL = "switchyard-sim"
@@ -232,12 +233,12 @@ async def _one(client: httpx.AsyncClient, request: TraceRequest, scaling: Scalin
 
 
 def _summarize_live(policy: str, requests: list[TraceRequest], samples: list[_Sample], scaling: Scaling, args) -> dict:
-    done = [(r, s) for r, s in zip(requests, samples) if s.status == 200]
+    done = [(r, s) for r, s in zip(requests, samples, strict=True) if s.status == 200]
     ttfts = [s.ttft_s / scaling.time for _, s in done]
     tpots = [s.span_s / (s.completion - 1) / (scaling.time * scaling.tokens) for _, s in done if s.completion > 1]
     good = sum(
         1
-        for (_, s), ttft in zip(done, ttfts)
+        for (_, s), ttft in zip(done, ttfts, strict=True)
         if ttft <= args.ttft_slo_s
         and (s.completion <= 1 or s.span_s / (s.completion - 1) / (scaling.time * scaling.tokens) <= args.tpot_slo_s)
     )

@@ -31,6 +31,7 @@ import psutil
 from switchyard import procs
 from switchyard.bench import plots
 from switchyard.bench import stack as bench_stack
+from switchyard.bench.stats import percentile
 
 MODEL = "switchyard-sim"
 PROMPT = [{"role": "user", "content": "Measure the yard: how long does a token take to get through?"}]
@@ -150,11 +151,7 @@ async def _ttft(fabric: httpx.AsyncClient, direct: httpx.AsyncClient, nats_url: 
         through.append(await _first_token_s(fabric))
         alone.append(await _first_token_s(direct))
     bare = await _bare_request_reply(nats_url, n)
-    t = results.ttft_ms
-    for name, samples in (("fabric", through), ("engine_alone", alone), ("nats_rr", bare)):
-        t[f"{name}_p50"], t[f"{name}_p99"] = _pct(samples, 50) * 1e3, _pct(samples, 99) * 1e3
-        t[f"{name}_samples_ms"] = [x * 1e3 for x in samples]
-    t["added_p50"] = t["fabric_p50"] - t["engine_alone_p50"]
+    t = results.ttft_ms = ttft_figures({"fabric": through, "engine_alone": alone, "nats_rr": bare})
     print(
         f"  TTFT p50 {t['fabric_p50']:.2f} ms (engine alone {t['engine_alone_p50']:.2f} ms, "
         f"bare NATS request/reply {t['nats_rr_p50']:.2f} ms)",
@@ -334,9 +331,18 @@ class _RssSampler:
 # --- report ---------------------------------------------------------------------------------------
 
 
-def _pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+def ttft_figures(samples_s: dict[str, list[float]]) -> dict:
+    """p50 and p99 in ms of each named sample set (``bench.stats``' definition), the samples in
+    ms, and what the fabric adds at p50 over the engine alone."""
+    t: dict = {}
+    for name, samples in samples_s.items():
+        for q in (50, 99):
+            value = percentile(samples, q)
+            assert value is not None, f"no {name} samples"
+            t[f"{name}_p{q}"] = value * 1e3
+        t[f"{name}_samples_ms"] = [x * 1e3 for x in samples]
+    t["added_p50"] = t["fabric_p50"] - t["engine_alone_p50"]
+    return t
 
 
 def _report(results: Results, out: Path) -> None:
@@ -433,4 +439,4 @@ def _plots(results: Results, out: Path) -> None:
     plots.save(fig, ax, out / "memory.png", title="Memory per process", xlabel="process", ylabel="MiB resident")
 
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "ttft_figures"]

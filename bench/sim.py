@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from switchyard.bench import plots
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import FleetShape
 from switchyard.bench.replay import ReplayResult, ReplaySettings, replay
+from switchyard.bench.stats import percentile
 from switchyard.bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio, read_trace
 from switchyard.scheduler.config import SchedulerConfig
 
@@ -246,17 +246,6 @@ def timing_of(result: ReplayResult) -> dict:
     }
 
 
-def percentile(values: list[float], p: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def _fleet_record(settings: ReplaySettings) -> dict:
     shape, cost = settings.shape, settings.cost
     return {
@@ -319,7 +308,7 @@ def table(results: list[dict], timings: list[dict]) -> str:
         "bound: infinite cache; fleet: one LRU as large as all prefill caches together",
         head,
     ]
-    for r, t in zip(results, timings):
+    for r, t in zip(results, timings, strict=True):
         per_block = f"{r['index_bytes_per_block']:>6.0f}" if r["index_bytes_per_block"] else f"{'-':>6}"
         rate = f"{t['decisions_per_s']:>8.0f}" if t["decisions_per_s"] else f"{'-':>8}"
         lines.append(
@@ -350,4 +339,4 @@ def plot_cdfs(results: list[dict], out: Path) -> None:
         )
 
 
-__all__ = ["add_arguments", "parse_policies", "percentile", "run", "summarize", "table"]
+__all__ = ["add_arguments", "parse_policies", "run", "summarize", "table"]

@@ -15,7 +15,7 @@ from switchyard.bench.calibration import PUBLISHED, closed_loop
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import EventLoop, FleetShape, SimWorker
 from switchyard.bench.replay import ReplaySettings, replay
-from switchyard.bench.sim import parse_policies, percentile
+from switchyard.bench.sim import parse_policies
 from switchyard.bench.traces import TraceRequest
 from switchyard.cli import build_parser
 from switchyard.schemas import PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams
@@ -186,13 +186,8 @@ def test_disaggregated_and_colocated_runs_complete_with_every_field(tmp_path, co
 
 
 def test_an_unknown_policy_is_refused_before_anything_runs():
-    with pytest.raises(ValueError, match="unknown policy 'fastest'; choose from .*round_robin"):
+    with pytest.raises(ValueError, match=r"unknown policy 'fastest'; choose from .*round_robin"):
         parse_policies("round_robin,fastest")
-
-
-def test_percentile_interpolates_like_numpy():
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile([5.0], 99) == 5.0 and percentile([], 50) is None
 
 
 def test_cli_writes_results_timing_and_plots(tmp_path):
