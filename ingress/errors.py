@@ -1,14 +1,22 @@
-"""The ingress's error tree: each one knows its HTTP status and OpenAI error body.
+"""The ingress's error tree (under ``SwitchyardError``, see ``switchyard.schemas.errors``):
+each ``ApiError`` knows its HTTP status and OpenAI error body.
 
-ApiError                      status, type, code, param, message
-├── InvalidRequest            400 invalid_request_error
-│   └── ContextLengthExceeded 400 code=context_length_exceeded
-├── ModelNotFound             404 code=model_not_found
-├── RequestTooLarge           413
-├── RateLimited               429 with Retry-After
-├── Unavailable               503 (no scheduler / no workers)
-└── GenerationFailed          502 (a worker was lost mid-request)
-    └── DeadlineExceeded      504 (queued past its x-switchyard-deadline-s)
+IngressError
+├── StreamFailed                  (ingress.streams) a token stream ended in an error chunk
+├── TokenizerError                (ingress.tokenizer) a model folder or template we cannot use
+├── ServiceError                  (ingress.service) the ingress cannot start as configured
+└── ApiError                      status, type, code, param, message
+    ├── InvalidRequest            400 invalid_request_error
+    │   └── ContextLengthExceeded 400 code=context_length_exceeded
+    ├── ModelNotFound             404 code=model_not_found
+    ├── RequestTooLarge           413
+    ├── RateLimited               429 with Retry-After
+    ├── Unavailable               503 (no scheduler / no workers)
+    └── GenerationFailed          502 (a worker was lost mid-request)
+        └── DeadlineExceeded      504 (queued past its x-switchyard-deadline-s)
+
+A bare ``ApiError`` is a 500 ``server_error``: what the catch-all handler answers for
+an exception nobody expected (``ingress.app``).
 """
 
 from __future__ import annotations
@@ -17,8 +25,14 @@ import math
 
 import msgspec
 
+from switchyard.schemas import SwitchyardError
 
-class ApiError(Exception):
+
+class IngressError(SwitchyardError):
+    """Anything the ingress raises on purpose."""
+
+
+class ApiError(IngressError):
     status = 500
     type = "server_error"
 

@@ -15,6 +15,7 @@ from anyio.abc import TaskStatus
 
 from switchyard.ingress.app import Ingress
 from switchyard.ingress.config import IngressConfig
+from switchyard.ingress.errors import IngressError
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.tokenizer import ModelTokenizer
 from switchyard.observability.bus import BusStats, connect, subscribe
@@ -24,7 +25,7 @@ from switchyard.schemas import subjects
 log = logging.getLogger(__name__)
 
 
-class ServiceError(Exception):
+class ServiceError(IngressError):
     """The ingress cannot start as configured (its message says why)."""
 
 
@@ -70,7 +71,7 @@ class IngressService:
                     tg.start_soon(self.router.watch_idle, cfg.stream_idle_timeout_s)
                     await nc.flush()
                     tg.start_soon(self._serve_http, server, sock, tg.cancel_scope)
-                    while not server.started:
+                    while not server.started:  # noqa: ASYNC110 (uvicorn offers a flag, no event)
                         await anyio.sleep(0.01)
                     host, port = sock.getsockname()[:2]
                     self.url = f"http://{host}:{port}"

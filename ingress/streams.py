@@ -22,6 +22,7 @@ from collections import deque
 
 import anyio
 
+from switchyard.ingress.errors import IngressError
 from switchyard.observability.bus import decoded
 from switchyard.schemas import PromptUsage, StreamChunk, StreamError, codec
 
@@ -87,7 +88,7 @@ class StreamRouter:
         return len(self._inboxes)
 
     async def serve(self, sub) -> None:
-        async for msg, batch in decoded(sub, codec.STREAM_BATCH, "stream batch"):
+        async for _msg, batch in decoded(sub, codec.STREAM_BATCH, "stream batch"):
             for chunk in batch.chunks:
                 self._route(chunk)
 
@@ -116,7 +117,7 @@ class StreamRouter:
             self.expire_idle(idle_s)
 
 
-class StreamFailed(Exception):
+class StreamFailed(IngressError):
     def __init__(self, error: StreamError) -> None:
         super().__init__(error.message)
         self.error = error

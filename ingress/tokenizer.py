@@ -33,6 +33,8 @@ import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from switchyard.ingress.errors import IngressError
+
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21; IncrementalDecoder falls back to re-decoding.
@@ -48,7 +50,7 @@ _NO_LIMIT_THRESHOLD = 10**12
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-class TokenizerError(Exception):
+class TokenizerError(IngressError):
     """A model directory that cannot be used, or a chat template that failed.
 
     `path` is the offending file when there is one.

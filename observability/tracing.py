@@ -16,10 +16,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
+from switchyard.schemas import SwitchyardError
+
 EXPORTERS = ("none", "console", "otlp")
 
 
-class TracingError(Exception):
+class TracingError(SwitchyardError):
     """The tracing configuration asked for something this install cannot do."""
 
 

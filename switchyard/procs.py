@@ -22,8 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from switchyard.schemas import SwitchyardError
 
-class ProcessError(Exception):
+
+class ProcessError(SwitchyardError):
     """A child could not be started, or did not become ready."""
 
 

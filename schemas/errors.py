@@ -1,0 +1,38 @@
+"""The root of every error Switchyard raises, in the innermost part so that every part
+may import it without breaking the layering (``schemas`` imports nothing of ours).
+
+Each part keeps its own subtree next to its code; this is the whole tree:
+
+SwitchyardError
+├── IngressError                      switchyard.ingress.errors
+│   ├── ApiError                      an HTTP answer: status, OpenAI type, code, param
+│   │   ├── InvalidRequest            400
+│   │   │   └── ContextLengthExceeded 400 code=context_length_exceeded
+│   │   ├── ModelNotFound             404
+│   │   ├── RequestTooLarge           413
+│   │   ├── RateLimited               429 with Retry-After
+│   │   ├── Unavailable               503
+│   │   └── GenerationFailed          502
+│   │       └── DeadlineExceeded      504
+│   ├── StreamFailed                  switchyard.ingress.streams: a token stream ended in an error chunk
+│   ├── TokenizerError                switchyard.ingress.tokenizer: a model folder or chat template we cannot use
+│   └── ServiceError                  switchyard.ingress.service: the ingress cannot start as configured
+├── WorkerError                       switchyard.workers.errors
+│   └── EngineError                   an engine failed a request, or one of its own tasks died
+├── TracingError                      switchyard.observability.tracing: an exporter this install lacks
+├── ProcessError                      switchyard.procs: a child process did not start or get ready
+└── TraceError (+ ValueError)         switchyard.bench.traces: a benchmark trace that cannot be read
+
+The scheduler and kvbus raise no error of their own: their argument checks are
+``ValueError``s, as Python's are. Expected outcomes ("no capacity", "rejected") are
+message variants on the bus, never exceptions. Where callers already catch a builtin
+(``ValueError``), a class keeps it as a second base.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SwitchyardError"]
+
+
+class SwitchyardError(Exception):
+    """Anything Switchyard itself raises on purpose; ``except SwitchyardError`` catches it all."""
