@@ -1,34 +1,40 @@
-"""The ingress's configuration: one frozen tree, built at the edge."""
+"""The ingress's configuration: one frozen tree, built at the edge (``switchyard.settings``)."""
 
 from __future__ import annotations
 
-import msgspec
+from typing import Annotated, Literal
+
+from switchyard.schemas.config import ConfigStruct, setting
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
-class IngressConfig(msgspec.Struct, frozen=True, kw_only=True):
-    nats_url: str
-    model_dir: str
-    served_model_name: str = ""  # default: the model directory's own name
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0 picks a free port
-    ingress_id: str = ""  # default: generated
-    block_size: int = 16  # must equal the engine's KV block size
-    # How block keys are hashed: "blake2b" for the sim engine, "vllm-sha256-cbor" for vLLM
-    # workers (with their hash seed), so the scheduler's index names blocks as the engine does.
-    key_scheme: str = "blake2b"
-    hash_seed: str = "vllm-none-hash"
-    max_body_bytes: int = 8 * 1024 * 1024
-    default_max_tokens: int = 1024
-    submit_timeout_s: float = 5.0
-    # A request whose stream stays silent this long fails instead of hanging.
-    stream_idle_timeout_s: float = 60.0
-    trace_exporter: str = "none"
+class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
+    nats_url: Annotated[str, setting("NATS server URL", flag="nats", min_length=1)] = DEFAULT_NATS_URL
+    model_dir: Annotated[str, setting("model directory (tokenizer.json and chat template)", flag="model")] = ""
+    served_model_name: Annotated[str, setting("the model's name in the API (default: its directory's)")] = ""
+    host: Annotated[str, setting("interface the HTTP API listens on")] = "127.0.0.1"
+    port: Annotated[int, setting("HTTP port (0 picks a free one)", ge=0, le=65535)] = 8000
+    ingress_id: Annotated[str, setting("this ingress's id on the bus (default: generated)", hidden=True)] = ""
+    block_size: Annotated[int, setting("the engine's KV block size; default: 16 (sim), 32 (vllm)", gt=0)] = 16
+    # The scheduler's index must name blocks as the engine does: "blake2b" for the sim
+    # engine, "vllm-sha256-cbor" (with the engines' hash seed) for vLLM workers.
+    key_scheme: Annotated[
+        Literal["blake2b", "vllm-sha256-cbor"], setting("block-key hashing: the sim engine's, or a vLLM engine's")
+    ] = "blake2b"
+    hash_seed: Annotated[str, setting("vllm: the root of the engines' block hashes (an integer, or the default)")] = (
+        "vllm-none-hash"
+    )
+    max_body_bytes: Annotated[int, setting("largest request body (413 above)", gt=0)] = 8 * 1024 * 1024
+    default_max_tokens: Annotated[int, setting("max_tokens of a request that names none", gt=0)] = 1024
+    submit_timeout_s: Annotated[float, setting("how long the scheduler may take to admit a request", gt=0)] = 5.0
+    stream_idle_timeout_s: Annotated[
+        float, setting("a request whose stream stays silent this long fails instead of hanging", gt=0)
+    ] = 60.0
+    trace_exporter: Annotated[Literal["none", "console", "otlp"], setting("where spans go")] = "none"
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.max_body_bytes <= 0 or self.default_max_tokens <= 0:
-            raise ValueError("block_size, max_body_bytes and default_max_tokens must be positive")
+        super().__post_init__()
         from switchyard.kvbus.keys import KeyScheme
 
-        KeyScheme(self.key_scheme, self.hash_seed)  # raises on an unknown scheme
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port {self.port} is out of range")
+        KeyScheme(self.key_scheme, self.hash_seed)  # raises on a hash seed the scheme cannot take

@@ -32,10 +32,11 @@ import msgspec
 import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 
 from switchyard.observability import tracing
 from switchyard.observability.bus import BusStats, connect, decoded, subscribe
-from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.config import SchedulerServiceConfig
 from switchyard.scheduler.core import (
     Action,
     BindSession,
@@ -65,20 +66,6 @@ _NO_RESPONDERS = "503"
 # Snapshots waiting for a fetcher. The core asks at most one per worker at a time, so
 # this bounds the fleet the scheduler can resync at once, not the work it can do.
 _SNAPSHOT_QUEUE = 4096
-
-
-class SchedulerServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
-    nats_url: str
-    core: SchedulerConfig = SchedulerConfig()
-    tick_s: float = 0.1
-    dispatch_timeout_s: float = 2.0
-    # A worker's KV snapshot: how long to wait for it, how many to fetch at once.
-    snapshot_timeout_s: float = 2.0
-    snapshot_fetchers: int = 4
-
-    def __post_init__(self) -> None:
-        if self.snapshot_fetchers < 1 or self.snapshot_timeout_s <= 0:
-            raise ValueError("snapshot_fetchers and snapshot_timeout_s must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +118,7 @@ class SchedulerService:
 
     # --- inputs --------------------------------------------------------------------
 
-    async def _serve_submits(self, sub) -> None:
+    async def _serve_submits(self, sub: Subscription) -> None:
         async for msg, request in decoded(sub, codec.SCHEDULER_REQUEST, "scheduler request"):
             match request:
                 case SubmitRequest(spec=spec):
@@ -147,15 +134,15 @@ class SchedulerService:
                 case StatusRequest():
                     await msg.respond(codec.SCHEDULER_REPLY.encode(self.core.status()))
 
-    async def _serve_events(self, sub) -> None:
-        async for msg, event in decoded(sub, codec.WORKER_EVENT, "worker event"):
+    async def _serve_events(self, sub: Subscription) -> None:
+        async for _, event in decoded(sub, codec.WORKER_EVENT, "worker event"):
             await self._act(self.core.on_event(event, self._clock()))
 
-    async def _serve_cancels(self, sub) -> None:
-        async for msg, cancel in decoded(sub, codec.CANCEL, "cancel"):
+    async def _serve_cancels(self, sub: Subscription) -> None:
+        async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):
             await self._act(self.core.on_cancel(cancel.request_id, self._clock()))
 
-    async def _serve_acks(self, sub) -> None:
+    async def _serve_acks(self, sub: Subscription) -> None:
         async for msg in sub.messages:
             pending = self._pending.pop(msg.subject.rsplit(".", 1)[-1], None)
             if pending is None:
@@ -172,8 +159,8 @@ class SchedulerService:
                 log.info("worker %s refused %s: %s", pending.worker_id, pending.request_id, ack.reason)
                 await self._dispatch_failed(pending, "refused")
 
-    async def _serve_kv_events(self, sub) -> None:
-        async for msg, batch in decoded(sub, codec.KV_EVENTS, "KV events"):
+    async def _serve_kv_events(self, sub: Subscription) -> None:
+        async for _, batch in decoded(sub, codec.KV_EVENTS, "KV events"):
             await self._act(self.core.on_kv_events(batch, self._clock()))
 
     async def _fetch_snapshots(self) -> None:

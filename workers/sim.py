@@ -25,24 +25,27 @@ import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Annotated
 
 import anyio
-import msgspec
 
 from switchyard.schemas import BlocksRemoved, BlocksStored, DecodeTask, KvEvent, PrefillTask, SimKvHandle, Tier
+from switchyard.schemas.config import ConfigStruct, setting
 from switchyard.workers.engine import PrefillResult, StepOutput
 
 _MASK = (1 << 64) - 1
 
 
-class SimCostModel(msgspec.Struct, frozen=True, kw_only=True):
+class SimCostModel(ConfigStruct, frozen=True, kw_only=True):
     """Seconds. Defaults are zero: the fabric's own overhead, nothing else."""
 
-    prefill_base_s: float = 0.0
-    prefill_per_token_s: float = 0.0
-    decode_step_base_s: float = 0.0
-    decode_step_per_seq_s: float = 0.0
-    host_fetch_per_token_s: float = 0.0  # bringing a host-tier block back to the device
+    prefill_base_s: Annotated[float, setting("sim: fixed seconds of one prefill", ge=0)] = 0.0
+    prefill_per_token_s: Annotated[float, setting("sim: prefill seconds per uncached token", ge=0)] = 0.0
+    decode_step_base_s: Annotated[float, setting("sim: fixed seconds of one decode step", ge=0)] = 0.0
+    decode_step_per_seq_s: Annotated[float, setting("sim: decode step seconds per sequence in the batch", ge=0)] = 0.0
+    host_fetch_per_token_s: Annotated[
+        float, setting("sim: seconds per token to bring a host-tier block back to the device", ge=0)
+    ] = 0.0
 
     def prefill_s(self, uncached_tokens: int) -> float:
         return self.prefill_base_s + self.prefill_per_token_s * uncached_tokens
@@ -51,12 +54,13 @@ class SimCostModel(msgspec.Struct, frozen=True, kw_only=True):
         return self.decode_step_base_s + self.decode_step_per_seq_s * batch
 
 
-class SimEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    cost: SimCostModel = SimCostModel()
-    cache_blocks: int = 4096
-    host_cache_blocks: int = 0  # a host-memory tier below the device cache (0: none)
-    token_low: int = 256  # output tokens are drawn from [token_low, token_high)
-    token_high: int = 4096
+class SimEngineConfig(ConfigStruct, frozen=True, kw_only=True):
+    cost: Annotated[SimCostModel, setting("the cost model", prefix="")] = SimCostModel()
+    cache_blocks: Annotated[int, setting("sim: blocks the device prefix cache holds", gt=0)] = 4096
+    host_cache_blocks: Annotated[int, setting("sim: a host-memory tier below the device cache (0: none)", ge=0)] = 0
+    # Output tokens are drawn from [token_low, token_high): derived from the model's tokenizer.
+    token_low: Annotated[int, setting("lowest output token", hidden=True)] = 256
+    token_high: Annotated[int, setting("output tokens lie below this one", hidden=True)] = 4096
 
 
 def _mix(x: int) -> int:
