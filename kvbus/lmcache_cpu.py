@@ -109,7 +109,7 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         if (
             self.kvcaches is not None
             and len(kvcaches) == len(self.kvcaches)
-            and all(a is b for a, b in zip(kvcaches, self.kvcaches))
+            and all(a is b for a, b in zip(kvcaches, self.kvcaches, strict=True))
         ):
             return
         if len(kvcaches) != self.num_layers:
@@ -171,11 +171,19 @@ class CPUPagedKVConnector(GPUConnectorInterface):
         for layer, flat in enumerate(self._flat):
             flat[blk, cols] = t[:, layer, skip:].transpose(0, 1).reshape(cols.shape)
 
-    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]
+    # The batched calls take flat lists only (LMCache's non-layerwise path), narrower than
+    # the base signature, which also allows a list per layer.
+    def batched_from_gpu(self, memory_objs: list[MemoryObj], starts: list[int], ends: list[int], **kwargs: Any) -> None:
         for obj, s, e in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(obj, s, e, **kwargs)
 
-    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:  # type: ignore[override]
+    def batched_to_gpu(
+        self,
+        memory_objs: list[MemoryObj] | None = None,
+        starts: list[int] | None = None,
+        ends: list[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         for obj, s, e in zip(memory_objs or [], starts or [], ends or [], strict=True):
             self.to_gpu(obj, s, e, **kwargs)
 

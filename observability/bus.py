@@ -13,17 +13,28 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import anyio
 import msgspec
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import SlowConsumerError
 
 log = logging.getLogger(__name__)
 
 PENDING_MSGS = 65_536
 PENDING_BYTES = 256 * 1024 * 1024
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Decodes(Protocol[T_co]):
+    """What ``decoded`` needs of a codec (``schemas.codec.Codec`` is one)."""
+
+    def decode(self, data: bytes) -> T_co: ...
 
 
 @dataclass
@@ -61,7 +72,7 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
             await nc.close()
 
 
-async def decoded(sub, codec, what: str):
+async def decoded(sub: Subscription, codec: Decodes[T_co], what: str) -> AsyncIterator[tuple[Msg, T_co]]:
     """``(msg, message)`` for each message of ``sub`` that ``codec`` decodes; one that it
     cannot is logged and skipped, never the end of the subscription's reader."""
     async for msg in sub.messages:
@@ -73,5 +84,5 @@ async def decoded(sub, codec, what: str):
         yield msg, message
 
 
-async def subscribe(nc: Client, subject: str, queue: str = ""):
+async def subscribe(nc: Client, subject: str, queue: str = "") -> Subscription:
     return await nc.subscribe(subject, queue=queue, pending_msgs_limit=PENDING_MSGS, pending_bytes_limit=PENDING_BYTES)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from switchyard.schemas import WorkerSummary
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
@@ -77,7 +81,7 @@ class ServingMetrics:
             registry=r,
         )
 
-    def set_workers(self, summaries) -> None:
+    def set_workers(self, summaries: Iterable[WorkerSummary]) -> None:
         """Replace the per-worker gauges with ``ClusterStatus.workers``."""
         for gauge in (
             self.worker_boot,

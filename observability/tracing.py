@@ -14,7 +14,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 from switchyard.schemas import SwitchyardError
 
@@ -45,7 +45,7 @@ def configure(
     return provider
 
 
-def _exporter(name: str):
+def _exporter(name: str) -> SpanExporter | None:
     if name == "none":
         return None
     if name == "console":

@@ -141,9 +141,9 @@ class PrefixIndex:
 
     def _unset(self, worker: str, key: int, bits: int) -> None:
         holders = self._holders.get(key)
-        old = holders.get(worker, 0) if holders is not None else 0
-        if not old & bits:
+        if holders is None or not holders.get(worker, 0) & bits:
             return
+        old = holders[worker]
         if old & bits & CLUSTER:
             self._uncount_cluster(key)
         if old & ~bits:

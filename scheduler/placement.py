@@ -64,7 +64,7 @@ class Placer:
         """For a policy that takes the least of a key, the best of all workers, if it
         fits, is the best of those that fit: skip the pass that filters the fleet. Not
         with a session binding (it is decided among the fitting workers)."""
-        if not capable or bound_worker is not None or not getattr(self.policy, "argmin", False):
+        if not capable or bound_worker is not None or not self.policy.argmin:
             return None
         best = self.policy.choose(request, capable, view)
         return best if self._fits(best, request, view) else None

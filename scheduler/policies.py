@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 from switchyard.scheduler.index import WorkerMatch
 from switchyard.scheduler.state import Tracked, WorkerState
@@ -45,7 +45,7 @@ class PlacementView:
     prompt_tokens: int
 
     @classmethod
-    def of(cls, matches: Mapping[str, WorkerMatch], **rest) -> PlacementView:
+    def of(cls, matches: Mapping[str, WorkerMatch], **rest: Any) -> PlacementView:
         """A view from ``PrefixIndex.match`` results (tests build it this way)."""
         return cls(
             blocks={w: m.blocks for w, m in matches.items()},
@@ -76,13 +76,17 @@ class PlacementView:
 
 
 class PrefillPolicy(Protocol):
-    name: str
+    name: ClassVar[str]
+    # True when ``choose`` returns the least of a per-worker key: then the best of all
+    # workers, if it fits, is also the best of those that fit (``Placer`` skips a pass).
+    argmin: ClassVar[bool]
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState: ...
 
 
 class RoundRobin:
-    name = "round_robin"
+    name: ClassVar[str] = "round_robin"
+    argmin: ClassVar[bool] = False  # it cycles: the next after the last chosen depends on who fits
 
     def __init__(self) -> None:
         self._last = ""
@@ -96,16 +100,16 @@ class RoundRobin:
 
 
 class LeastRequests:
-    name = "least_requests"
-    argmin = True  # the least of a key: the best of all, if it fits, is the best that fits
+    name: ClassVar[str] = "least_requests"
+    argmin: ClassVar[bool] = True  # the least of a key: the best of all, if it fits, is the best that fits
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         return min(candidates, key=lambda w: (len(w.assigned), w.worker_id))
 
 
 class LeastTokens:
-    name = "least_tokens"
-    argmin = True
+    name: ClassVar[str] = "least_tokens"
+    argmin: ClassVar[bool] = True
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         return min(candidates, key=lambda w: (w.load_tokens, w.worker_id))
@@ -117,7 +121,8 @@ class Prefix:
     ``balance_rel`` times as many) it balances; otherwise it follows the longest cached
     prefix when that covers at least ``min_match`` of the prompt."""
 
-    name = "prefix"
+    name: ClassVar[str] = "prefix"
+    argmin: ClassVar[bool] = False  # the balance guard compares the candidates with one another
 
     def __init__(self, balance_abs: int = 4096, balance_rel: float = 1.5, min_match: float = 0.1) -> None:
         self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
@@ -136,8 +141,8 @@ class Prefix:
 class Switchyard:
     """One cost, lower is better: the predicted time to first token on each worker."""
 
-    name = "switchyard"
-    argmin = True
+    name: ClassVar[str] = "switchyard"
+    argmin: ClassVar[bool] = True
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         best = min(candidates, key=lambda w: (self.predicted_ttft_s(w, view), w.worker_id))

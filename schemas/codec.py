@@ -16,8 +16,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 class Codec(Generic[T]):
     """Encodes any wire Struct; decodes exactly the type (or tagged union) of its subject."""
 
-    def __init__(self, type_: Any) -> None:
-        self._decoder = msgspec.msgpack.Decoder(type_)
+    def __init__(self, type_: Any) -> None:  # Any: a tagged union is a value, not a ``type[T]``
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
 
     @staticmethod
     def encode(message: msgspec.Struct) -> bytes:

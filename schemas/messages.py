@@ -26,17 +26,21 @@ RejectReason = Literal["overloaded", "no_workers", "too_large", "invalid"]
 
 
 class _Wire(msgspec.Struct, frozen=True, kw_only=True):
-    """Base of every bus message: immutable, keyword-only."""
+    """Base of every bus message: immutable, keyword-only.
+
+    Each subclass repeats ``frozen=True``: msgspec inherits it, but type checkers follow
+    PEP 681 (``dataclass_transform``), which does not, and would call every message mutable.
+    """
 
 
-class SamplingParams(_Wire):
+class SamplingParams(_Wire, frozen=True):
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
 
 
-class RequestSpec(_Wire):
+class RequestSpec(_Wire, frozen=True):
     """One admitted generation request, as the ingress tokenized it."""
 
     request_id: str
@@ -55,30 +59,30 @@ class RequestSpec(_Wire):
 # --- ingress -> scheduler (request/reply on SUBMIT) -------------------------------
 
 
-class SubmitRequest(_Wire, tag="submit"):
+class SubmitRequest(_Wire, frozen=True, tag="submit"):
     spec: RequestSpec
 
 
-class StatusRequest(_Wire, tag="status"):
+class StatusRequest(_Wire, frozen=True, tag="status"):
     pass
 
 
 SchedulerRequest = SubmitRequest | StatusRequest
 
 
-class Admitted(_Wire, tag="admitted"):
+class Admitted(_Wire, frozen=True, tag="admitted"):
     request_id: str
     queue_position: int  # 0 when dispatched at once
 
 
-class Rejected(_Wire, tag="rejected"):
+class Rejected(_Wire, frozen=True, tag="rejected"):
     request_id: str
     reason: RejectReason
     message: str
     retry_after_s: float = 0.0
 
 
-class EngineStats(_Wire):
+class EngineStats(_Wire, frozen=True):
     """What a worker's engine counted since it started (a vLLM engine's own counters)."""
 
     prompt_tokens: int = 0
@@ -91,7 +95,7 @@ class EngineStats(_Wire):
     spec_accepted_tokens: int = 0
 
 
-class WorkerSummary(_Wire):
+class WorkerSummary(_Wire, frozen=True):
     worker_id: str
     role: Role
     inflight_tokens: int
@@ -101,7 +105,7 @@ class WorkerSummary(_Wire):
     stats: EngineStats | None = None
 
 
-class ClusterStatus(_Wire, tag="cluster_status"):
+class ClusterStatus(_Wire, frozen=True, tag="cluster_status"):
     workers: list[WorkerSummary]
     queued_requests: int
     queued_tokens: int
@@ -113,7 +117,7 @@ SchedulerReply = Admitted | Rejected | ClusterStatus
 # --- KV handles: where a prefill left the KV blocks of a prompt --------------------
 
 
-class SimKvHandle(_Wire, tag="sim"):
+class SimKvHandle(_Wire, frozen=True, tag="sim"):
     """The sim engine's blocks: held in the prefill worker's (simulated) cache."""
 
     worker_id: str
@@ -121,7 +125,7 @@ class SimKvHandle(_Wire, tag="sim"):
     num_tokens: int
 
 
-class MooncakeStoreKvHandle(_Wire, tag="mooncake-store"):
+class MooncakeStoreKvHandle(_Wire, frozen=True, tag="mooncake-store"):
     """A vLLM prefill saved the prompt's whole blocks to the Mooncake Store, keyed by the
     engine's block hashes: a decode engine with the same model and hash seed finds them."""
 
@@ -130,7 +134,7 @@ class MooncakeStoreKvHandle(_Wire, tag="mooncake-store"):
     block_size: int
 
 
-class LmcacheKvHandle(_Wire, tag="lmcache"):
+class LmcacheKvHandle(_Wire, frozen=True, tag="lmcache"):
     """A vLLM prefill stored the prompt's KV through LMCache (local memory and disk,
     Mooncake Store as remote tier): a decode engine's LMCache finds it by content."""
 
@@ -139,7 +143,7 @@ class LmcacheKvHandle(_Wire, tag="lmcache"):
     block_size: int
 
 
-class NixlKvHandle(_Wire, tag="nixl"):
+class NixlKvHandle(_Wire, frozen=True, tag="nixl"):
     """The KV stays in the prefill engine's GPU memory; the decode engine pulls it
     directly (NIXL). ``params`` is the engine's ``kv_transfer_params``, JSON-encoded."""
 
@@ -156,7 +160,7 @@ VllmKvHandle = MooncakeStoreKvHandle | LmcacheKvHandle | NixlKvHandle
 # --- scheduler -> worker (request/reply on worker_tasks(id)) ----------------------
 
 
-class PromptUsage(_Wire):
+class PromptUsage(_Wire, frozen=True):
     prompt_tokens: int
     cached_tokens: int
     queued_s: float = 0.0
@@ -164,19 +168,19 @@ class PromptUsage(_Wire):
     batch_tokens: int = 0  # uncached tokens that batch computed in prefill_s (0: unknown)
 
 
-class PrefillTask(_Wire, tag="prefill"):
+class PrefillTask(_Wire, frozen=True, tag="prefill"):
     spec: RequestSpec
     queued_s: float
 
 
-class DecodeTask(_Wire, tag="decode"):
+class DecodeTask(_Wire, frozen=True, tag="decode"):
     spec: RequestSpec
     handle: KvHandle
     first_token: int  # already streamed by the prefill worker (seq 0)
     usage: PromptUsage
 
 
-class LocalTask(_Wire, tag="local"):
+class LocalTask(_Wire, frozen=True, tag="local"):
     """Prefill and decode on one worker: a short uncached prompt is cheaper to compute
     where it will be decoded than to hand over (conditional disaggregation)."""
 
@@ -187,7 +191,7 @@ class LocalTask(_Wire, tag="local"):
 WorkerTask = PrefillTask | DecodeTask | LocalTask
 
 
-class TaskAck(_Wire):
+class TaskAck(_Wire, frozen=True):
     request_id: str
     accepted: bool
     reason: str = ""
@@ -196,7 +200,7 @@ class TaskAck(_Wire):
 # --- workers -> scheduler (publish on WORKER_EVENTS) ------------------------------
 
 
-class LoadReport(_Wire, tag="load"):
+class LoadReport(_Wire, frozen=True, tag="load"):
     """Heartbeat. The first one registers the worker; silence past the expiry removes it."""
 
     worker_id: str
@@ -215,7 +219,7 @@ class LoadReport(_Wire, tag="load"):
     stats: EngineStats | None = None  # an engine that counts (vllm)
 
 
-class PrefillDone(_Wire, tag="prefill_done"):
+class PrefillDone(_Wire, frozen=True, tag="prefill_done"):
     worker_id: str
     request_id: str
     handle: KvHandle
@@ -224,13 +228,13 @@ class PrefillDone(_Wire, tag="prefill_done"):
     finished: bool  # True when the first token already ended the request
 
 
-class PrefillFailed(_Wire, tag="prefill_failed"):
+class PrefillFailed(_Wire, frozen=True, tag="prefill_failed"):
     worker_id: str
     request_id: str
     message: str
 
 
-class RequestFinished(_Wire, tag="finished"):
+class RequestFinished(_Wire, frozen=True, tag="finished"):
     worker_id: str
     request_id: str
     generated_tokens: int
@@ -242,7 +246,7 @@ class RequestFinished(_Wire, tag="finished"):
     kv_loaded_tokens: int = 0
 
 
-class WorkerLeaving(_Wire, tag="leaving"):
+class WorkerLeaving(_Wire, frozen=True, tag="leaving"):
     worker_id: str
 
 
@@ -252,24 +256,24 @@ WorkerEvent = LoadReport | PrefillDone | PrefillFailed | RequestFinished | Worke
 # --- KV cache events: workers -> scheduler (publish on KV_EVENTS) --------------------
 
 
-class BlocksStored(_Wire, tag="stored"):
+class BlocksStored(_Wire, frozen=True, tag="stored"):
     keys: list[int]  # chained block keys, in prompt order
     tier: Tier = "device"
 
 
-class BlocksRemoved(_Wire, tag="removed"):
+class BlocksRemoved(_Wire, frozen=True, tag="removed"):
     keys: list[int]
     tier: Tier = "device"
 
 
-class AllBlocksCleared(_Wire, tag="cleared"):
+class AllBlocksCleared(_Wire, frozen=True, tag="cleared"):
     pass
 
 
 KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
 
 
-class KvEventBatch(_Wire):
+class KvEventBatch(_Wire, frozen=True):
     """A worker's cache changes. ``seq`` counts batches per worker from 1; a receiver that
     sees a gap asks for a ``KvSnapshot`` instead of guessing."""
 
@@ -278,11 +282,11 @@ class KvEventBatch(_Wire):
     events: list[KvEvent]
 
 
-class KvSnapshotRequest(_Wire):
+class KvSnapshotRequest(_Wire, frozen=True):
     scheduler_id: str
 
 
-class KvSnapshot(_Wire):
+class KvSnapshot(_Wire, frozen=True):
     """Everything a worker's cache holds, as of batch ``seq`` (later batches apply on top)."""
 
     worker_id: str
@@ -290,7 +294,7 @@ class KvSnapshot(_Wire):
     blocks: dict[str, list[int]]  # tier -> keys
 
 
-class RollCall(_Wire):
+class RollCall(_Wire, frozen=True):
     """The scheduler asks every worker to report now (it has just started)."""
 
     scheduler_id: str
@@ -299,7 +303,7 @@ class RollCall(_Wire):
 # --- anyone -> everyone (publish on CANCEL) ---------------------------------------
 
 
-class Cancel(_Wire):
+class Cancel(_Wire, frozen=True):
     request_id: str
     reason: str = "client_disconnected"
 
@@ -307,12 +311,12 @@ class Cancel(_Wire):
 # --- workers/scheduler -> ingress (publish on stream(ingress_id)) ------------------
 
 
-class StreamError(_Wire):
+class StreamError(_Wire, frozen=True):
     code: str  # "worker_lost", "prefill_failed", "internal"
     message: str
 
 
-class StreamChunk(_Wire):
+class StreamChunk(_Wire, frozen=True):
     """Tokens of one request. ``seq`` is the output position of ``token_ids[0]``, so a
     receiver drops what it has seen and waits for what it has not: a retried or
     migrated request never shows a duplicated or missing token."""
@@ -325,7 +329,7 @@ class StreamChunk(_Wire):
     error: StreamError | None = None  # terminal
 
 
-class StreamBatch(_Wire):
+class StreamBatch(_Wire, frozen=True):
     """One message per engine step per ingress, carrying every stream of that ingress."""
 
     sender: str

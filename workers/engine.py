@@ -62,6 +62,21 @@ class EngineLifecycle(Protocol):
     async def stop(self) -> None: ...
 
 
+class Counters(Protocol):
+    def wire(self) -> dict[str, int]:
+        """The fields of ``schemas.EngineStats`` it counted (``kv_fallbacks`` is the role's)."""
+        ...
+
+
+@runtime_checkable
+class CountingEngine(Protocol):
+    """An engine that keeps its own statistics (``vllm``): the worker's heartbeat carries
+    them to the scheduler (``LoadReport.stats``)."""
+
+    @property
+    def counters(self) -> Counters: ...
+
+
 class DecodeEngine(PrefillEngine, Protocol):
     """Decodes; and prefills too, for a ``LocalTask`` (a short prompt decoded where it is
     computed, with no handoff)."""

@@ -70,5 +70,5 @@ class KvReporter:
         return KvEventBatch(worker_id=self.worker_id, seq=self.seq, events=events)
 
     def snapshot(self) -> KvSnapshot:
-        blocks: dict[str, list[int]] = dict(self.cache.cached_blocks())
+        blocks: dict[str, list[int]] = {tier: keys for tier, keys in self.cache.cached_blocks().items()}
         return KvSnapshot(worker_id=self.worker_id, seq=self.seq, blocks=blocks)

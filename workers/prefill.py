@@ -47,6 +47,11 @@ class PrefillRole:
         """The engine's prefix cache, as the runtime reports it (see ``workers.kv_events``)."""
         return self.engine if isinstance(self.engine, KvCacheView) else NoKvCache()
 
+    @property
+    def kv_fallbacks(self) -> int:
+        """None: a prefill loads no handed-over KV, so it has none to miss."""
+        return 0
+
     def inflight_tokens(self) -> int:
         return self._tokens
 

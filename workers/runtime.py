@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
 
 from switchyard.observability.bus import BusStats, connect, decoded, subscribe
@@ -35,7 +36,7 @@ from switchyard.schemas import (
 )
 from switchyard.schemas.messages import TaskAck, WorkerEvent
 from switchyard.workers.config import WorkerConfig
-from switchyard.workers.engine import EngineLifecycle
+from switchyard.workers.engine import CountingEngine, EngineLifecycle, PrefillEngine
 from switchyard.workers.kv_events import KvCacheView, KvReporter, NoKvCache, PushedKvCache
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,17 @@ _REMEMBERED_CANCELS = 4096
 
 class Role(Protocol):
     """A role's half of a worker."""
+
+    @property
+    def engine(self) -> PrefillEngine:
+        """Its engine; the runtime boots it (``EngineLifecycle``) and reports its counters
+        (``CountingEngine``) when it can."""
+        ...
+
+    @property
+    def kv_fallbacks(self) -> int:
+        """Handed-over KV its engine did not find, and recomputed."""
+        ...
 
     def inflight_tokens(self) -> int: ...
 
@@ -103,7 +115,7 @@ class WorkerRuntime:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        engine = getattr(self.role, "engine", None)
+        engine = self.role.engine
         if isinstance(engine, EngineLifecycle):
             # Boot first: the worker registers (first LoadReport) only once it can serve.
             log.info("%s worker %s: starting its %s engine", cfg.role, cfg.worker_id, cfg.engine)
@@ -152,26 +164,26 @@ class WorkerRuntime:
             await cache.wait_kv_changes()
             await bus.kv_changes()
 
-    async def _serve_tasks(self, sub) -> None:
+    async def _serve_tasks(self, sub: Subscription) -> None:
         async for msg, task in decoded(sub, codec.WORKER_TASK, "task"):
             rid = task.spec.request_id
             refusal = "cancelled" if rid in self._cancelled else self.role.offer(task, msg.headers or {})
             ack = TaskAck(request_id=rid, accepted=refusal is None, reason=refusal or "")
             await msg.respond(codec.TASK_ACK.encode(ack))
 
-    async def _serve_cancels(self, sub) -> None:
-        async for msg, cancel in decoded(sub, codec.CANCEL, "cancel"):
+    async def _serve_cancels(self, sub: Subscription) -> None:
+        async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):
             # Remembered, so a task that crosses the cancel on the wire is refused.
             self._cancelled[cancel.request_id] = None
             if len(self._cancelled) > _REMEMBERED_CANCELS:
                 self._cancelled.popitem(last=False)
             self.role.cancel(cancel.request_id)
 
-    async def _serve_roll_calls(self, sub, bus: WorkerBus) -> None:
+    async def _serve_roll_calls(self, sub: Subscription, bus: WorkerBus) -> None:
         async for _ in sub.messages:
             await self._report(bus)
 
-    async def _serve_kv_snapshots(self, sub) -> None:
+    async def _serve_kv_snapshots(self, sub: Subscription) -> None:
         async for msg in sub.messages:
             snapshot = self.kv.snapshot()  # one synchronous read: consistent with kv.seq
             try:
@@ -203,13 +215,17 @@ class WorkerRuntime:
                 running=self.role.running(),
                 interval_s=cfg.report_interval_s,
                 kv_seq=self.kv.seq,
-                boot_s=getattr(getattr(self.role, "engine", None), "boot_s", 0.0),
+                boot_s=self._boot_s(),
                 stats=self._engine_stats(),
             )
         )
 
+    def _boot_s(self) -> float:
+        engine = self.role.engine
+        return engine.boot_s if isinstance(engine, EngineLifecycle) else 0.0
+
     def _engine_stats(self) -> EngineStats | None:
-        counters = getattr(getattr(self.role, "engine", None), "counters", None)
-        if counters is None:
+        engine = self.role.engine
+        if not isinstance(engine, CountingEngine):
             return None
-        return EngineStats(kv_fallbacks=getattr(self.role, "kv_fallbacks", 0), **counters.wire())
+        return EngineStats(kv_fallbacks=self.role.kv_fallbacks, **engine.counters.wire())

@@ -108,14 +108,14 @@ class SimEngine:
         started = time.monotonic()
         hits = [self._hits(t) for t in tasks]  # (device tokens, host tokens) of each
         cached = [device + host for device, host in hits]
-        uncached = sum(len(t.spec.prompt_tokens) - c for t, c in zip(tasks, cached))
+        uncached = sum(len(t.spec.prompt_tokens) - c for t, c in zip(tasks, cached, strict=True))
         fetched = sum(host for _, host in hits)
         cost = self.config.cost
         await anyio.sleep(cost.prefill_s(uncached) + cost.host_fetch_per_token_s * fetched)
         elapsed = time.monotonic() - started
         for task in tasks:
             self._remember(task.spec.block_keys)
-        return [self._result(t, c, elapsed, uncached) for t, c in zip(tasks, cached)]
+        return [self._result(t, c, elapsed, uncached) for t, c in zip(tasks, cached, strict=True)]
 
     def _result(self, task: PrefillTask, cached: int, elapsed: float, batch_tokens: int) -> PrefillResult:
         spec = task.spec
