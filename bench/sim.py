@@ -15,6 +15,8 @@ Writes into ``--out``:
   Virtual-time results only: the same trace, flags and seed give the same file.
 - ``timing.json``: wall-clock figures (run time, the core's decisions per second),
   which vary from run to run and so are kept apart.
+- ``tables.md``: the tables ``docs/bench-sim.md`` shows for a run, made from those two files
+  (``bench.simdoc``, which also rewrites the doc's tables).
 - ``ttft_cdf.png``, ``tpot_cdf.png``: the distributions per policy.
 and prints a table.
 """
@@ -26,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from switchyard.bench import plots
+from switchyard.bench import plots, simdoc
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import FleetShape
 from switchyard.bench.replay import ReplayResult, ReplaySettings, replay
@@ -143,11 +145,12 @@ def run(args: argparse.Namespace) -> int:
     public = [{k: v for k, v in r.items() if not k.endswith("_samples_s")} for r in results]
     (args.out / "results.json").write_text(json.dumps(public, indent=2) + "\n")
     (args.out / "timing.json").write_text(json.dumps(timings, indent=2) + "\n")
+    (args.out / "tables.md").write_text(simdoc.tables({"results": public, "timing": timings}))
     print(table(results, timings), flush=True)
     plot_cdfs(results, args.out)
     print(
-        f"\nwrote {args.out / 'results.json'}, {args.out / 'timing.json'}, {args.out / 'ttft_cdf.png'}, "
-        f"{args.out / 'tpot_cdf.png'}"
+        f"\nwrote {args.out / 'results.json'}, {args.out / 'timing.json'}, {args.out / 'tables.md'}, "
+        f"{args.out / 'ttft_cdf.png'}, {args.out / 'tpot_cdf.png'}"
     )
     return 0
 

@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from switchyard import procs
+from switchyard.bench import simdoc
 from switchyard.bench.calibration import PUBLISHED, closed_loop
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import EventLoop, FleetShape, SimWorker
@@ -217,6 +218,7 @@ def test_cli_writes_results_timing_and_plots(tmp_path):
     assert "100% of the trace arrived" in run.stdout and "TTFT p50" in run.stdout
     assert [r["policy"] for r in json.loads((out / "results.json").read_text())] == ["round_robin", "switchyard"]
     assert all(t["decisions_per_s"] > 0 for t in json.loads((out / "timing.json").read_text()))
+    assert (out / "tables.md").read_text() == simdoc.tables(simdoc.read_run(out))  # docs/bench-sim.md's tables
     for name in ("ttft_cdf.png", "tpot_cdf.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
