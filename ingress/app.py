@@ -18,7 +18,7 @@ import uuid
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -34,6 +34,7 @@ from switchyard.ingress.errors import (
     RateLimited,
     RequestTooLarge,
     Unavailable,
+    internal_error,
 )
 from switchyard.ingress.generation import Generation, GenerationContext, Kind
 from switchyard.ingress.openai_types import (
@@ -101,7 +102,9 @@ class Ingress:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_text, methods=["GET"]),
             ],
-            exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+            # Exception: Starlette's outermost middleware answers with it, then re-raises
+            # for the server to log; the client never sees a plain-text 500.
+            exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         )
 
     # --- endpoints --------------------------------------------------------------------------
@@ -248,26 +251,37 @@ class Ingress:
         inbox = self.router.open(spec.request_id, max_tokens)  # before submitting: hear every token
         try:
             await self._submit(spec, trace.set_span_in_context(span))
-        except ApiError as exc:
-            self.router.close(spec.request_id)
-            self.metrics.requests.labels(outcome=f"rejected_{exc.status}").inc()
-            span.set_attribute("switchyard.outcome", f"rejected_{exc.status}")
-            span.end()
+            include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+            generation = Generation(
+                ctx=self._gen_ctx,
+                kind=kind,
+                spec=spec,
+                model=self.model,
+                stream=body.stream,
+                include_usage=include_usage,
+                assembler=TextAssembler(self.tokenizer.decode_stream(), stops),
+                inbox=inbox,
+                span=span,
+                arrived=time.monotonic(),
+            )
+        except BaseException as exc:  # the Generation owns the route and the span only once returned
+            self._abandon(spec.request_id, span, exc)
             raise
         self.metrics.in_flight.inc()
-        include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        return Generation(
-            ctx=self._gen_ctx,
-            kind=kind,
-            spec=spec,
-            model=self.model,
-            stream=body.stream,
-            include_usage=include_usage,
-            assembler=TextAssembler(self.tokenizer.decode_stream(), stops),
-            inbox=inbox,
-            span=span,
-            arrived=time.monotonic(),
-        )
+        return generation
+
+    def _abandon(self, request_id: str, span: Span, exc: BaseException) -> None:
+        """A request that never became a Generation: close its route and its span."""
+        self.router.close(request_id)
+        if isinstance(exc, ApiError):
+            outcome = f"rejected_{exc.status}"
+        else:  # a bug, or the request cancelled under us
+            outcome = "error"
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        self.metrics.requests.labels(outcome=outcome).inc()
+        span.set_attribute("switchyard.outcome", outcome)
+        span.end()
 
     def _spec(
         self,
@@ -349,6 +363,12 @@ def _deadline(value: str | None) -> float | None:
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
     return Response(exc.encoded(), status_code=exc.status, headers=exc.headers(), media_type="application/json")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed unexpectedly", request.method, request.url.path, exc_info=exc)
+    error = internal_error()
+    return Response(error.encoded(), status_code=error.status, media_type="application/json")
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -103,3 +103,9 @@ def generation_error(code: str, message: str) -> GenerationFailed:
     """The HTTP error for a stream that failed with ``code``."""
     cls = DeadlineExceeded if code == "deadline_exceeded" else GenerationFailed
     return cls(message, code=code)
+
+
+def internal_error() -> ApiError:
+    """What the client hears of an exception nobody expected: a 500 that tells nothing of
+    our insides (the log has the traceback, the span the exception)."""
+    return ApiError("The server had an error while processing your request.", code="internal_error")

@@ -8,6 +8,7 @@ is shielded, so a cancelled request still cancels, counts and closes its span.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,7 +19,7 @@ import anyio
 import msgspec
 from opentelemetry.trace import Span, Status, StatusCode
 
-from switchyard.ingress.errors import ApiError, generation_error
+from switchyard.ingress.errors import ApiError, generation_error, internal_error
 from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from switchyard.ingress.text import TextAssembler
 from switchyard.observability.metrics import ServingMetrics
@@ -60,7 +61,9 @@ class Generation:
     sequencer: TokenSequencer = field(default_factory=TokenSequencer)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    outcome: str = "error"
+    # None until the ending is known: "ok", "error", or "cancelled" (the client left first).
+    outcome: str | None = None
+    response_started: bool = False
 
     # --- ASGI -------------------------------------------------------------------------
 
@@ -68,7 +71,10 @@ class Generation:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
-                await (self._send_stream(send) if self.stream else self._send_body(send))
+                try:
+                    await (self._send_stream(send) if self.stream else self._send_body(send))
+                except Exception as exc:  # the catch-all: answered, logged, never plain text
+                    await self._fail_unexpectedly(send, exc)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -77,8 +83,26 @@ class Generation:
     async def _watch_disconnect(self, receive, scope: anyio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.outcome = "cancelled"
+        # The server also reports a disconnect once the response is complete: by then the
+        # ending is settled and the client leaving changes nothing.
+        if self.outcome is None:
+            self.outcome = "cancelled"
         scope.cancel()
+
+    async def _fail_unexpectedly(self, send, exc: Exception) -> None:
+        """A bug, not a stream that failed: log it, mark the span, and tell the client in
+        the response's own form (a JSON 500, or an SSE error event once streaming)."""
+        log.exception("%s failed unexpectedly", self.spec.request_id)
+        self.outcome = "error"
+        self.span.record_exception(exc)
+        self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        error = internal_error()
+        with contextlib.suppress(Exception):  # the connection itself may be what broke
+            if self.response_started:
+                await self._event(send, error.body())
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                await _send_json(send, error)
 
     # --- the token loop ------------------------------------------------------------------
 
@@ -124,6 +148,7 @@ class Generation:
         try:
             await self._generate(collect)
         except StreamFailed as exc:
+            self.outcome = "error"
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
             await _send_json(send, generation_error(exc.error.code, exc.error.message))
             return
@@ -153,6 +178,7 @@ class Generation:
 
     async def _send_stream(self, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        self.response_started = True
         if self.kind == "chat":
             await self._event(send, self._chunk({"role": "assistant", "content": ""}, None))
 
@@ -164,6 +190,7 @@ class Generation:
         try:
             await self._generate(emit)
         except StreamFailed as exc:
+            self.outcome = "error"
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
             await self._event(send, generation_error(exc.error.code, exc.error.message).body())
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -220,17 +247,18 @@ class Generation:
     async def _cleanup(self) -> None:
         rid = self.spec.request_id
         self.ctx.router.close(rid)
+        outcome = self.outcome or "error"  # unsettled: something raised past the catch-all
         if not self.sequencer.finished:  # a stop string, an error or a disconnect ended it here
-            cancel = Cancel(request_id=rid, reason=self.outcome if self.outcome != "ok" else "stop")
+            cancel = Cancel(request_id=rid, reason=outcome if outcome != "ok" else "stop")
             await self.ctx.nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
-        self._record()
-        self.span.set_attribute("switchyard.outcome", self.outcome)
+        self._record(outcome)
+        self.span.set_attribute("switchyard.outcome", outcome)
         self.span.end()
 
-    def _record(self) -> None:
+    def _record(self, outcome: str) -> None:
         m = self.ctx.metrics
         m.in_flight.dec()
-        m.requests.labels(outcome=self.outcome).inc()
+        m.requests.labels(outcome=outcome).inc()
         usage = self.sequencer.usage
         if usage is not None:
             m.queue_time.observe(usage.queued_s)

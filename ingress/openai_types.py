@@ -1,15 +1,26 @@
 """OpenAI request bodies as msgspec Structs, and their checks.
 
 Unknown fields are ignored (clients send many we do not use); a known field of the
-wrong type is a 400 that names the field. Responses are built as plain dicts and
-encoded by msgspec: they are written once per token and need no validation.
+wrong type, or a number out of its range, is a 400 that names the field. Ranges are
+``msgspec.Meta`` bounds on the field where msgspec can express them; ``seed`` is
+checked by hand (the bus carries [-2^63, 2^64 - 1], past int64 where Meta stops), so
+no number reaches the msgpack encoder that it cannot carry. Responses are built as
+plain dicts and encoded by msgspec: they are written once per token and need no
+validation.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from switchyard.ingress.errors import InvalidRequest
+
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TokenCount = Annotated[int, msgspec.Meta(ge=1)]  # the context bounds it from above (ingress.app)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # msgpack's integers: int64 and uint64
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -29,20 +40,20 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
 
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     model: str
-    max_tokens: int | None = None
+    max_tokens: TokenCount | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     seed: int | None = None
     user: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -99,11 +110,11 @@ def _text_of(content: str | list[ContentPart] | None, index: int) -> str:
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise InvalidRequest(
-                f"Content part of type {part.type!r} is not supported; only text is.",
-                param=f"messages[{index}].content[{j}]",
-            )
+        param = f"messages[{index}].content[{j}]"
+        if part.type != "text":
+            raise InvalidRequest(f"Content part of type {part.type!r} is not supported; only text is.", param=param)
+        if part.text is None:
+            raise InvalidRequest("A content part of type 'text' needs its `text` field.", param=f"{param}.text")
         texts.append(part.text)
     return "".join(texts)
 
@@ -118,11 +129,10 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def check_sampling(request: _Sampling) -> None:
+    """What the field types cannot say (temperature, top_p, token counts: see above)."""
     if request.n != 1:
         raise InvalidRequest("Only n=1 is supported.", param="n")
-    if request.temperature is not None and not 0.0 <= request.temperature <= 2.0:
-        raise InvalidRequest("`temperature` must be between 0 and 2.", param="temperature")
-    if request.top_p is not None and not 0.0 < request.top_p <= 1.0:
-        raise InvalidRequest("`top_p` must be in (0, 1].", param="top_p")
+    if request.seed is not None and not SEED_MIN <= request.seed <= SEED_MAX:
+        raise InvalidRequest("`seed` must be an integer in [-2^63, 2^64 - 1].", param="seed")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("`stream_options` is only allowed when `stream` is true.", param="stream_options")

@@ -312,13 +312,13 @@ def test_chat_messages_flatten_text_parts() -> None:
 
 
 @pytest.mark.parametrize(
-    "part",
+    ("part", "param", "says"),
     [
-        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}},
-        {"type": "text"},  # a text part without text
+        ({"type": "image_url", "image_url": {"url": "http://x/cat.png"}}, "messages[1].content[1]", "not supported"),
+        ({"type": "text"}, "messages[1].content[1].text", "`text` field"),  # a text part without text
     ],
 )
-def test_chat_messages_refuse_non_text_parts(part: dict) -> None:
+def test_chat_messages_refuse_non_text_parts(part: dict, param: str, says: str) -> None:
     request = chat(
         messages=[
             {"role": "system", "content": "x"},
@@ -327,7 +327,8 @@ def test_chat_messages_refuse_non_text_parts(part: dict) -> None:
     )
     with pytest.raises(InvalidRequest) as caught:
         chat_messages(request)
-    assert caught.value.param == "messages[1].content[1]"
+    assert caught.value.param == param
+    assert says in caught.value.message
 
 
 def test_chat_messages_refuse_unknown_roles_and_empty_lists() -> None:
