@@ -21,6 +21,8 @@ class PrefillResult:
     handle: KvHandle
     prefill_s: float  # the batch's time
     batch_tokens: int = 0  # uncached tokens the batch computed in that time
+    # Set when token 0 itself ended the request (EOS or a stop token: "stop"): no decode follows.
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(frozen=True, slots=True)
