@@ -31,6 +31,7 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from switchyard.bench.costmodel import CostModel
 from switchyard.schemas import (
@@ -81,7 +82,7 @@ class EventLoop:
         return len(self._heap)
 
 
-class Sink:
+class Sink(Protocol):
     """Where a worker's output goes (the replay driver, which feeds the core)."""
 
     def worker_event(self, event: WorkerEvent, now: float) -> None: ...

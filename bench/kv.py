@@ -34,10 +34,16 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from switchyard import procs
 from switchyard.bench import plots
 from switchyard.bench.stats import percentile
+
+if TYPE_CHECKING:
+    from switchyard.workers.vllm_config import KvTransfer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model == Path(".cache/tiny-llama"):
         build_tiny_model(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]
-    paths = [p for p in args.paths.split(",") if p]
+    paths = _kv_paths(args.paths)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {
         "settings": {
@@ -82,10 +88,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_paths(arg: str) -> list[KvTransfer]:
+    """``--paths``, each one checked before any process starts."""
+    from switchyard.workers.vllm_config import KvTransfer
+
+    try:
+        return msgspec.convert([p for p in arg.split(",") if p], list[KvTransfer])
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"--paths {arg!r}: {exc}") from None
+
+
 # --- TTFT: load against recompute ----------------------------------------------------
 
 
-def _engine_config(path: str, ports: procs.MooncakePorts, work: Path, role: str, max_len: int):
+def _engine_config(path: KvTransfer, ports: procs.MooncakePorts, work: Path, role: str, max_len: int):
     from switchyard.workers.vllm_config import LmcacheSettings, MooncakeSettings, VllmEngineConfig
 
     return VllmEngineConfig(
@@ -100,7 +116,7 @@ def _engine_config(path: str, ports: procs.MooncakePorts, work: Path, role: str,
     )
 
 
-async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: int, work: Path) -> list[dict]:
+async def ttft_rows(model: Path, path: KvTransfer, ports, lengths: list[int], repeats: int, work: Path) -> list[dict]:
     from switchyard.workers.vllm_engine import VllmEngine
 
     max_len = max(lengths) + 64
@@ -122,6 +138,7 @@ async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: 
                 await producer.wait_handoff([stored], await producer.prefill([stored]))  # as a prefill worker does
                 (loaded,) = await consumer.prefill([_task(prompt, tenant)])
                 (computed,) = await consumer.prefill([_task(prompt, tenant + "-cold")])
+                kv_bytes = loaded.cached_tokens * kv_bytes_per_token
                 row = {
                     "path": path,
                     "length": length,
@@ -130,9 +147,9 @@ async def ttft_rows(model: Path, path: str, ports, lengths: list[int], repeats: 
                     "loaded_tokens": loaded.cached_tokens,
                     "recompute_ttft_s": computed.prefill_s,
                     "recompute_cached_tokens": computed.cached_tokens,
-                    "kv_bytes": loaded.cached_tokens * kv_bytes_per_token,
+                    "kv_bytes": kv_bytes,
+                    "kv_gib_per_s": kv_bytes / loaded.prefill_s / (1 << 30),
                 }
-                row["kv_gib_per_s"] = row["kv_bytes"] / loaded.prefill_s / (1 << 30)
                 rows.append(row)
                 print(
                     f"[{path}] {length:>6} tokens #{r}: load {loaded.prefill_s * 1000:8.1f} ms "

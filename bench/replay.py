@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import TICK, EventLoop, FleetShape, SimWorker
@@ -52,7 +54,7 @@ class ReplaySettings:
 
     def scheduler_config(self) -> SchedulerConfig:
         """The core's config. Fields the core does not have yet are left out (and noted)."""
-        wanted = {
+        wanted: dict[str, Any] = {
             "policy": self.policy,
             "max_queued_tokens": self.max_queued_tokens,
             "worker_expiry_s": NEVER,
@@ -127,7 +129,7 @@ class Replay:
         self._register()
         scale = self.settings.time_scale
         for i, request in enumerate(self.requests):
-            self.loop.at(request.arrival_s * scale, lambda now, i=i: self._arrive(i, now))
+            self.loop.at(request.arrival_s * scale, partial(self._arrive, i))
         self.loop.at(0.0, self._tick, TICK)
         self.loop.run()
         index = self.core.index
@@ -215,7 +217,7 @@ class Replay:
             match action:
                 case Dispatch(worker_id=wid, task=task):
                     self.timing.decisions += 1
-                    kind = task.__struct_config__.tag  # "prefill", "decode" or "local"
+                    kind = str(task.__struct_config__.tag)  # "prefill", "decode" or "local"
                     self.timing.dispatches[kind] = self.timing.dispatches.get(kind, 0) + 1
                     self.workers[wid].accept(task, now)
                 case RequestSnapshot(worker_id=wid):

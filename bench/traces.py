@@ -48,7 +48,7 @@ def read_trace(path: Path, fmt: TraceFormat | None = None, limit: int | None = N
     """The first ``limit`` requests of the trace (all when None), in arrival order."""
     fmt = fmt or detect_format(path)
     rows = _read_mooncake(path) if fmt == "mooncake" else _read_azure(path)
-    requests = []
+    requests: list[TraceRequest] = []
     for request in rows:
         if limit is not None and len(requests) >= limit:
             break

@@ -92,7 +92,7 @@ def test_a_malformed_azure_row_is_named(tmp_path, row, complaint):
 def test_a_csv_without_the_azure_header_is_refused(tmp_path):
     path = tmp_path / "other.csv"
     path.write_text("a,b,c\n1,2,3\n")
-    with pytest.raises(TraceError, match="other.csv:1: expected the header"):
+    with pytest.raises(TraceError, match=r"other\.csv:1: expected the header"):
         read_trace(path)
 
 

@@ -714,7 +714,7 @@ class RandomCluster:
     def heartbeat(self, advance: float | None = None) -> None:
         self.h.clock.advance(self.rng.uniform(0, 0.4) if advance is None else advance)
         for wid, role in list(self.live.items()):
-            self.apply("report", wid, lambda: self.h.report(wid, role, self.budgets[wid]))
+            self.apply("report", wid, lambda wid=wid, role=role: self.h.report(wid, role, self.budgets[wid]))
 
     def _pick(self, kind: type, workers) -> tuple[str, str, Any] | None:
         found = [(w, r, t) for w in sorted(workers) for r, t in self.running.get(w, {}).items() if isinstance(t, kind)]
@@ -848,7 +848,7 @@ def test_a_refused_dispatch_is_retried_at_once() -> None:
     h = Harness()
     cluster(h, {"p1": 10_000, "p2": 10_000}, {"d1": 10_000})
     spec = make_spec("r")
-    ((rid, first),) = dispatched(h.admit(spec))
+    ((_, first),) = dispatched(h.admit(spec))
     actions = h.dispatch_failed(first, "r", "refused")
     assert len(dispatched(actions)) == 1 and failures(actions) == []
 

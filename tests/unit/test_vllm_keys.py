@@ -4,6 +4,8 @@ bridge turns vLLM's events into those keys. Imports vLLM (the CPU build ``make``
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 import pytest
 
@@ -21,7 +23,7 @@ def _engine_hashes(tokens: list[int], block_size: int, salt: str | None) -> list
     kv_cache_utils.init_none_hash(sha256_cbor)
 
     class _Request:  # the fields generate_block_hash_extra_keys reads
-        mm_features: list = []
+        mm_features: ClassVar[list[object]] = []
         lora_request = None
         cache_salt = salt
         prompt_embeds = None
