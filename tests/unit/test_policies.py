@@ -40,6 +40,18 @@ def test_registry_names_and_unknown_policy() -> None:
         SchedulerConfig(policy="fastest")
 
 
+def test_each_policy_says_whether_it_takes_the_least_of_a_key() -> None:
+    # The placer skips its filtering pass for these (``Placer._quick``): every policy
+    # declares it, none is assumed.
+    assert {name: make_policy(name).argmin for name in POLICIES} == {
+        "round_robin": False,
+        "least_requests": True,
+        "least_tokens": True,
+        "prefix": False,
+        "switchyard": True,
+    }
+
+
 def test_round_robin_cycles_in_id_order() -> None:
     policy, ws = make_policy("round_robin"), [worker("b"), worker("a"), worker("c")]
     chosen = [policy.choose(tracked(), ws, view()).worker_id for _ in range(6)]

@@ -1,0 +1,84 @@
+"""What a worker's heartbeat says of its engine, read through the engine protocols
+(``EngineLifecycle.boot_s``, ``CountingEngine.counters``) and the role's ``kv_fallbacks``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from switchyard.schemas import EngineStats, LoadReport, Role, WorkerEvent
+from switchyard.workers.config import WorkerConfig
+from switchyard.workers.decode import DecodeRole
+from switchyard.workers.prefill import PrefillRole
+from switchyard.workers.runtime import WorkerRuntime
+from switchyard.workers.sim import SimEngine, SimEngineConfig
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    external_hit_tokens: int = 0
+
+    def wire(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "external_hit_tokens": self.external_hit_tokens}
+
+
+class _BootingEngine(SimEngine):
+    """A sim engine that boots and counts, as a vLLM engine does."""
+
+    def __init__(self) -> None:
+        super().__init__(SimEngineConfig(), "w")
+        self.boot_s = 0.0
+        self.counters = _Counters()
+
+    async def start(self) -> None:
+        self.boot_s = 12.5
+
+    async def stop(self) -> None:
+        pass
+
+
+@dataclass
+class _RecordingBus:
+    events: list[WorkerEvent] = field(default_factory=list)
+
+    async def event(self, event: WorkerEvent) -> None:
+        self.events.append(event)
+
+
+async def _report(runtime: WorkerRuntime) -> LoadReport:
+    bus = _RecordingBus()
+    await runtime._report(bus)  # a WorkerBus, as far as a report goes: only ``event`` is used
+    (report,) = bus.events
+    assert isinstance(report, LoadReport)
+    return report
+
+
+def _config(role: Role) -> WorkerConfig:
+    return WorkerConfig(role=role, worker_id="w")
+
+
+async def test_a_sim_worker_reports_no_boot_time_and_no_engine_stats() -> None:
+    engine = SimEngine(SimEngineConfig(), "w")
+    for role in (PrefillRole(engine, "w", 100), DecodeRole(engine, "w", 100)):
+        report = await _report(WorkerRuntime(_config("decode"), role))
+        assert (report.boot_s, report.stats) == (0.0, None)
+
+
+async def test_a_booting_counting_engine_reports_its_boot_time_counters_and_the_roles_fallbacks() -> None:
+    engine = _BootingEngine()
+    await engine.start()
+    engine.counters.prompt_tokens, engine.counters.external_hit_tokens = 96, 64
+    role = DecodeRole(engine, "w", 100)
+    role.kv_fallbacks = 2
+    report = await _report(WorkerRuntime(_config("decode"), role))
+    assert report.boot_s == 12.5
+    assert report.stats == EngineStats(prompt_tokens=96, external_hit_tokens=64, kv_fallbacks=2)
+
+
+async def test_a_prefill_role_has_no_kv_fallbacks() -> None:
+    report = await _report(WorkerRuntime(_config("prefill"), PrefillRole(_BootingEngine(), "w", 100)))
+    assert report.stats == EngineStats(kv_fallbacks=0)
