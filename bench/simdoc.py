@@ -30,6 +30,8 @@ import re
 import sys
 from pathlib import Path
 
+from switchyard.schemas import SwitchyardError
+
 DOC = Path("docs/bench-sim.md")
 RESULTS = Path("docs/bench-sim.results.json")
 # A marker is a line of its own, so the doc can mention one in prose.
@@ -38,7 +40,7 @@ _BEGIN = re.compile(r"^<!-- bench-sim:begin (\S+) -->$", re.M)
 _ROLE_ORDER = ("prefill", "decode", "both")
 
 
-class DocError(ValueError):
+class DocError(SwitchyardError, ValueError):
     """The doc's markers do not pair up, or name a run or table there are no results for."""
 
 

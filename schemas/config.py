@@ -19,7 +19,10 @@ from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 import msgspec
 
-__all__ = ["ConfigStruct", "setting"]
+__all__ = ["ConfigStruct", "PositiveInt", "setting"]
+
+# For an optional setting, whose constraint must sit inside the ``| None``.
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
 _CONSTRAINTS = ("gt", "ge", "lt", "le", "multiple_of", "pattern", "min_length", "max_length")
 
@@ -66,6 +69,6 @@ def _checked_fields(cls: type) -> tuple[tuple[str, Any], ...]:
 
 def _has_constraint(hint: Any) -> bool:
     if get_origin(hint) is Annotated:
-        metas = get_args(hint)[1:]
-        return any(getattr(meta, c, None) is not None for meta in metas for c in _CONSTRAINTS)
+        inner, *metas = get_args(hint)
+        return _has_constraint(inner) or any(getattr(m, c, None) is not None for m in metas for c in _CONSTRAINTS)
     return any(_has_constraint(arg) for arg in get_args(hint))

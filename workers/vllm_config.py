@@ -26,26 +26,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
-
-import msgspec
+from typing import Annotated, Any, Literal
 
 from switchyard.kvbus.keys import VLLM_DEFAULT_HASH_SEED
+from switchyard.schemas.config import ConfigStruct, PositiveInt, setting
 
 KvTransfer = Literal["mooncake-store", "lmcache", "nixl", "none"]
 SpecMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
 
 
-class SpeculativeSettings(msgspec.Struct, frozen=True, kw_only=True):
+class SpeculativeSettings(ConfigStruct, frozen=True, kw_only=True):
     """Speculative decoding for a decode pool: vLLM's ``speculative_config``."""
 
-    method: SpecMethod
-    num_speculative_tokens: int = 3
-    model: str | None = None  # the draft (eagle, eagle3, draft_model); none for ngram and mtp
-    prompt_lookup_max: int = 4  # ngram: longest n-gram matched in the context
-    prompt_lookup_min: int = 1
+    method: Annotated[SpecMethod, setting("decode workers: speculative decoding")]
+    num_speculative_tokens: Annotated[
+        int, setting("tokens proposed per step (1-16)", flag="num-speculative-tokens")
+    ] = 3
+    model: Annotated[str | None, setting("the draft model (eagle, eagle3, draft_model); none for ngram and mtp")] = None
+    prompt_lookup_max: Annotated[int, setting("ngram: longest n-gram matched in the context")] = 4
+    prompt_lookup_min: Annotated[int, setting("ngram: shortest n-gram matched in the context")] = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be 1-16, got {self.num_speculative_tokens}")
         needs_draft = self.method in ("eagle", "eagle3", "draft_model")
@@ -65,15 +67,18 @@ class SpeculativeSettings(msgspec.Struct, frozen=True, kw_only=True):
         return config
 
 
-class ParallelSettings(msgspec.Struct, frozen=True, kw_only=True):
+class ParallelSettings(ConfigStruct, frozen=True, kw_only=True):
     """How one engine spans devices; vLLM does the work, we check the shape."""
 
-    tensor: int = 1
-    pipeline: int = 1
-    data: int = 1
-    expert: bool = False  # experts sharded over tensor x data ranks instead of replicated
+    tensor: Annotated[int, setting("devices one layer is split over", flag="tensor-parallel-size")] = 1
+    pipeline: Annotated[int, setting("stages the layers are split into", flag="pipeline-parallel-size")] = 1
+    data: Annotated[int, setting("engine replicas behind one worker", flag="data-parallel-size")] = 1
+    expert: Annotated[
+        bool, setting("shard experts over tensor x data ranks instead of replicating", flag="enable-expert-parallel")
+    ] = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("tensor", "pipeline", "data"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} parallel size must be at least 1, got {getattr(self, name)}")
@@ -101,14 +106,14 @@ class ParallelSettings(msgspec.Struct, frozen=True, kw_only=True):
         }
 
 
-class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True):
+class MooncakeSettings(ConfigStruct, frozen=True, kw_only=True):
     """Where the Mooncake Store is: its master and its HTTP metadata server."""
 
-    master: str = "127.0.0.1:50051"
-    metadata_server: str = "http://127.0.0.1:8080/metadata"
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device_name: str = ""  # the RDMA device(s); empty for tcp
-    local_buffer_bytes: int = 256 << 20  # the engine's own staging buffer
+    master: Annotated[str, setting("the Mooncake master (host:port)")] = "127.0.0.1:50051"
+    metadata_server: Annotated[str, setting("the Mooncake metadata server's URL")] = "http://127.0.0.1:8080/metadata"
+    protocol: Annotated[Literal["tcp", "rdma"], setting("how the Transfer Engine moves KV")] = "tcp"
+    device_name: Annotated[str, setting("the RDMA device(s); empty for tcp")] = ""
+    local_buffer_bytes: Annotated[int, setting("the engine's own staging buffer", gt=0)] = 256 << 20
 
     def store_config(self) -> dict[str, Any]:
         """vLLM's Mooncake config file (``MOONCAKE_CONFIG_PATH``): the engine contributes no
@@ -124,46 +129,44 @@ class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True):
         }
 
 
-class LmcacheSettings(msgspec.Struct, frozen=True, kw_only=True):
+class LmcacheSettings(ConfigStruct, frozen=True, kw_only=True):
     """LMCache's tiers below the engine: local memory, then disk, then the Mooncake Store."""
 
-    local_cpu_bytes: int = 512 << 20
-    disk_dir: str = ""  # empty: no disk tier
-    disk_bytes: int = 2 << 30
-    remote: bool = True  # the Mooncake Store as remote tier
+    local_cpu_bytes: Annotated[int, setting("LMCache's local memory tier", gt=0)] = 512 << 20
+    disk_dir: Annotated[str, setting("LMCache's disk (NVMe) tier (empty: none)")] = ""
+    disk_bytes: Annotated[int, setting("LMCache's disk tier size", gt=0)] = 2 << 30
+    remote: Annotated[bool, setting("the Mooncake Store as LMCache's remote tier")] = True
 
 
-class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    kv_transfer: KvTransfer = "mooncake-store"
-    block_size: int = 32  # the CPU backend takes multiples of 32; the ingress must agree
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    kv_cache_bytes: int | None = None  # explicit KV cache size (CPU hosts need one)
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # True skips compilation: boots in seconds, runs slower
-    seed: int = 0
-    # The root of the engine's block hashes; the ingress hashes with the same one.
-    hash_seed: str = VLLM_DEFAULT_HASH_SEED
-    parallel: ParallelSettings = ParallelSettings()
-    speculative: SpeculativeSettings | None = None
-    mooncake: MooncakeSettings = MooncakeSettings()
-    lmcache: LmcacheSettings = LmcacheSettings()
-    work_dir: str = ""  # config files and sockets; default: a temporary directory
-    # prefill: how long PrefillDone waits for the KV to be written to the store
-    handoff_timeout_s: float = 10.0
+class VllmEngineConfig(ConfigStruct, frozen=True, kw_only=True):
+    kv_transfer: Annotated[KvTransfer, setting("vllm: how KV moves from prefill to decode")] = "mooncake-store"
+    # The CPU backend takes multiples of 32; the ingress must agree.
+    block_size: Annotated[int, setting("the engine's KV block size", gt=0)] = 32
+    dtype: Annotated[str, setting("vllm: the weights' dtype")] = "auto"
+    max_model_len: Annotated[PositiveInt | None, setting("vllm: the longest sequence (default: the model's)")] = None
+    max_num_seqs: Annotated[PositiveInt | None, setting("vllm: sequences in one batch at most")] = None
+    kv_cache_bytes: Annotated[PositiveInt | None, setting("vllm: the KV cache size (needed on CPU hosts)")] = None
+    gpu_memory_utilization: Annotated[float, setting("vllm: share of GPU memory the engine takes", gt=0, le=1)] = 0.9
+    enforce_eager: Annotated[bool, setting("vllm: skip compilation: faster boot, slower steps")] = False
+    seed: Annotated[int, setting("vllm: the engine's sampling seed", ge=0)] = 0
+    hash_seed: Annotated[str, setting("vllm: the root of the engines' block hashes (an integer, or the default)")] = (
+        VLLM_DEFAULT_HASH_SEED
+    )
+    parallel: Annotated[ParallelSettings, setting("parallelism", prefix="")] = ParallelSettings()
+    speculative: Annotated[SpeculativeSettings | None, setting("speculative decoding", prefix="speculative-")] = None
+    mooncake: Annotated[MooncakeSettings, setting("the Mooncake Store", prefix="mooncake-")] = MooncakeSettings()
+    lmcache: Annotated[LmcacheSettings, setting("LMCache", prefix="lmcache-")] = LmcacheSettings()
+    work_dir: Annotated[
+        str, setting("vllm: config files and sockets (default: a temporary directory)", flag="vllm-work-dir")
+    ] = ""
+    handoff_timeout_s: Annotated[
+        float, setting("prefill: the longest PrefillDone waits for the KV to be in the store", ge=0)
+    ] = 10.0
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size % 16:
+        super().__post_init__()
+        if self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError("max_model_len must be positive")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ValueError("kv_cache_bytes must be positive")
-        if self.handoff_timeout_s < 0:
-            raise ValueError("handoff_timeout_s must not be negative")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.hash_seed != VLLM_DEFAULT_HASH_SEED and not self.hash_seed.isdigit():
             # vLLM reads it from PYTHONHASHSEED, which Python accepts only as an integer.
             raise ValueError(f"hash_seed must be an integer (or {VLLM_DEFAULT_HASH_SEED!r}), got {self.hash_seed!r}")

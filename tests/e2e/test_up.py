@@ -50,7 +50,7 @@ def test_up_serves_and_stops_cleanly(stop_signal):
         descendants = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(p.cmdline()) for p in descendants)
         assert "nats-server" in names and "scheduler" in names and "ingress" in names
-        assert names.count("--role prefill") == 1 and names.count("--role decode") == 1
+        assert names.count("--child prefill-") == 1 and names.count("--child decode-") == 1
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
             model="switchyard-sim", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
@@ -126,7 +126,7 @@ def test_without_restarts_a_crash_stops_the_stack():
     )
     try:
         _wait_ready_line(proc, 60)
-        _child(proc, "--role decode").kill()
+        _child(proc, "--child decode-").kill()
         assert proc.wait(timeout=30) == 1
         assert "stopping the stack" in proc.stdout.read()
     finally:

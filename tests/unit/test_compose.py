@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
-from switchyard.cli import build_parser
+from switchyard import cli, settings
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 NATS_SERVICE = "nats"
@@ -37,16 +38,29 @@ def switchyard_services(services: dict[str, dict]) -> dict[str, list[str]]:
     }
 
 
-def parse_command(command: list[str]) -> argparse.Namespace:
-    """Parse a compose `command` with the real CLI parser; fail the test (not exit) if it is rejected."""
+@dataclass(frozen=True)
+class Parsed:
+    command: str
+    config: Any  # the service's config tree, every setting checked
+
+
+def parse_command(command: list[str]) -> Parsed:
+    """Resolve a compose `command` with the real CLI and settings; fail the test (not exit) if it is rejected.
+    The environment is not read and the model directory (inside the image) is not opened."""
     assert isinstance(command, list) and all(isinstance(a, str) for a in command), command
     assert command[:1] == ["switchyard"], command
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            return build_parser().parse_args(command[1:])
+            args = cli.build_parser().parse_args(command[1:])
+        tree = settings.COMMAND_TREES[args.command][1]
+        sources = cli.sources_of(args, env={})
+        defaults = settings.engine_defaults(*cli._engine_hints(tree, sources, args.command))
+        return Parsed(args.command, settings.resolve(tree, sources, args.command, defaults=defaults).config)
     except SystemExit as exc:
         pytest.fail(f"switchyard rejects {command!r} (exit {exc.code}): {stderr.getvalue().strip()}")
+    except settings.ConfigError as exc:
+        pytest.fail(f"switchyard rejects {command!r}: {exc}")
 
 
 def depends_on(svc: dict) -> list[str]:
@@ -75,23 +89,22 @@ def test_there_are_switchyard_services(services):
 
 def test_every_switchyard_command_parses_and_points_at_nats(services):
     for name, command in switchyard_services(services).items():
-        args = parse_command(command)
-        assert args.nats, f"{name}: no --nats"
-        url = urlsplit(args.nats)
-        assert url.scheme == "nats", f"{name}: --nats {args.nats!r}"
-        assert url.hostname == NATS_SERVICE, f"{name}: --nats {args.nats!r} is not the {NATS_SERVICE} service"
-        assert (url.port or 4222) == 4222, f"{name}: --nats {args.nats!r}"
+        nats = parse_command(command).config.nats_url
+        url = urlsplit(nats)
+        assert url.scheme == "nats", f"{name}: --nats {nats!r}"
+        assert url.hostname == NATS_SERVICE, f"{name}: --nats {nats!r} is not the {NATS_SERVICE} service"
+        assert (url.port or 4222) == 4222, f"{name}: --nats {nats!r}"
         assert NATS_SERVICE in depends_on(services[name]), f"{name} does not depend on {NATS_SERVICE}"
 
 
 def test_workers_have_the_roles_they_are_named_for(services):
     for name in GPU_WORKERS:
-        args = parse_command(services[name]["command"])
-        assert (args.command, args.role) == ("worker", name)
+        parsed = parse_command(services[name]["command"])
+        assert (parsed.command, parsed.config.role) == ("worker", name)
 
 
 def test_vllm_workers_and_ingress_agree_and_reach_the_mooncake_store(services):
-    ingress = parse_command(services["ingress"]["command"])
+    ingress = parse_command(services["ingress"]["command"]).config
     assert ingress.key_scheme == "vllm-sha256-cbor"
     master = services["mooncake-master"]["command"]
     rpc = next(a.split("=", 1)[1] for a in master if a.startswith("--rpc_port="))
@@ -99,10 +112,10 @@ def test_vllm_workers_and_ingress_agree_and_reach_the_mooncake_store(services):
     segment = services["mooncake-segment"]["command"]
     assert f"--master_server_address=mooncake-master:{rpc}" in segment
     for name in GPU_WORKERS:
-        args = parse_command(services[name]["command"])
-        assert args.engine == "vllm" and args.block_size == ingress.block_size
-        assert args.mooncake_master == f"mooncake-master:{rpc}"
-        assert args.mooncake_metadata_server == f"http://mooncake-master:{http}/metadata"
+        worker = parse_command(services[name]["command"]).config
+        assert worker.engine == "vllm" and worker.block_size == worker.vllm.block_size == ingress.block_size
+        assert worker.vllm.mooncake.master == f"mooncake-master:{rpc}"
+        assert worker.vllm.mooncake.metadata_server == f"http://mooncake-master:{http}/metadata"
         assert "mooncake-segment" in depends_on(services[name])
 
 
@@ -127,8 +140,9 @@ def test_gpu_workers_reserve_a_gpu(services, name):
 
 def test_ingress_publishes_its_port(services):
     svc = services["ingress"]
-    args = parse_command(svc["command"])
-    assert args.command == "ingress"
+    parsed = parse_command(svc["command"])
+    assert parsed.command == "ingress"
+    args = parsed.config
     assert args.host == "0.0.0.0", "ingress must listen on all interfaces inside the container"
     assert args.port in [target for _, target in published_ports(svc)], (args.port, svc.get("ports"))
 
@@ -152,6 +166,8 @@ def test_the_switchyard_image_is_built(services):
         ["switchyard", "worker", "--role", "nonsense"],
         ["switchyard", "worker", "--engine", "sim"],  # --role is required
         ["switchyard", "ingress", "--no-such-flag"],
+        ["switchyard", "ingress", "--port", "70000"],
+        ["switchyard", "worker", "--role", "decode", "--engine", "vllm", "--block-size", "20"],
         ["switchyard", "nonsense"],
     ],
 )

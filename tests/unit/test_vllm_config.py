@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from switchyard.cli import build_parser, vllm_config
+from switchyard import settings
+from switchyard.ingress.config import IngressConfig
 from switchyard.workers.config import WorkerConfig
 from switchyard.workers.vllm_config import (
     MooncakeSettings,
@@ -136,72 +137,63 @@ def test_worker_config_checks_the_engine_and_ingress_agree_on_blocks() -> None:
         WorkerConfig(nats_url="nats://x", role="prefill", model="m", engine="vllm", model_path="/m", block_size=16)
 
 
+def _worker_from_flags(*flags: str) -> WorkerConfig:
+    from switchyard import cli
+
+    args = cli.build_parser().parse_args(["worker", *flags])
+    defaults = settings.engine_defaults("vllm")
+    return settings.resolve(WorkerConfig, cli.sources_of(args, env={}), "worker", defaults=defaults).config
+
+
 def test_cli_flags_build_the_engine_config() -> None:
-    args = build_parser().parse_args(
-        [
-            "worker",
-            "--role",
-            "decode",
-            "--engine",
-            "vllm",
-            "--model",
-            "/m",
-            "--block-size",
-            "64",
-            "--kv-transfer",
-            "lmcache",
-            "--tensor-parallel-size",
-            "2",
-            "--enable-expert-parallel",
-            "--speculative-method",
-            "ngram",
-            "--num-speculative-tokens",
-            "5",
-            "--kv-cache-bytes",
-            "1048576",
-            "--mooncake-master",
-            "h:1",
-            "--lmcache-disk-dir",
-            "/nvme/lmcache",
-        ]
-    )
-    config = vllm_config(args)
+    config = _worker_from_flags(
+        *("--role", "decode", "--engine", "vllm", "--model", "/m", "--block-size", "64"),
+        *("--kv-transfer", "lmcache", "--tensor-parallel-size", "2", "--enable-expert-parallel"),
+        *("--speculative-method", "ngram", "--num-speculative-tokens", "5", "--kv-cache-bytes", "1048576"),
+        *("--mooncake-master", "h:1", "--lmcache-disk-dir", "/nvme/lmcache"),
+    ).vllm
     assert config.kv_transfer == "lmcache" and config.block_size == 64 and config.kv_cache_bytes == 1 << 20
     assert config.parallel == ParallelSettings(tensor=2, expert=True)
     assert config.speculative == SpeculativeSettings(method="ngram", num_speculative_tokens=5)
     assert config.mooncake.master == "h:1" and config.lmcache.disk_dir == "/nvme/lmcache"
 
 
-def test_up_passes_the_engine_settings_to_every_worker() -> None:
-    from switchyard.up import child_commands
+def test_a_speculation_setting_without_its_method_is_an_error_not_ignored() -> None:
+    with pytest.raises(settings.ConfigError, match="num-speculative-tokens need --speculative-method"):
+        _worker_from_flags("--role", "decode", "--engine", "vllm", "--model", "/m", "--num-speculative-tokens", "5")
+    assert _worker_from_flags("--role", "decode", "--engine", "vllm", "--model", "/m").vllm.speculative is None
 
-    args = build_parser().parse_args(
-        [
-            "up",
-            "--engine",
-            "vllm",
-            "--model",
-            "/m",
-            "--kv-transfer",
-            "lmcache",
-            "--speculative-method",
-            "ngram",
-            "--enforce-eager",
-            "--kv-cache-bytes",
-            "1048576",
-            "--dtype",
-            "float32",
-            "--block-size",
-            "32",
-        ]
+
+def test_up_passes_the_engine_settings_to_every_worker(tmp_path) -> None:
+    from switchyard.bench.stack import up_plan
+    from switchyard.up import child_spec
+
+    model = tiny_tokenizer_dir(tmp_path)
+    plan = up_plan(
+        *("--engine", "vllm", "--model", str(model), "--kv-transfer", "lmcache", "--speculative-method", "ngram"),
+        *("--enforce-eager", "--kv-cache-bytes", "1048576", "--dtype", "float32", "--block-size", "32"),
     )
-    commands = dict(child_commands(args, "nats://127.0.0.1:4222"))
+    children = {c.name: c for c in plan.children}
     for name in ("prefill-0", "decode-0"):
-        worker = build_parser().parse_args(commands[name][3:])
-        assert (worker.engine, worker.kv_transfer, worker.speculative_method) == ("vllm", "lmcache", "ngram")
-        assert worker.enforce_eager and worker.kv_cache_bytes == 1 << 20 and worker.dtype == "float32"
-    ingress = build_parser().parse_args(commands["ingress"][3:])
+        command, env = child_spec(children[name], "nats://127.0.0.1:4222")
+        assert command[-2:] == ["--child", name]  # its configuration travels as data, not as flags
+        _, worker = settings.decode_child(env[settings.CONFIG_DATA_ENV], WorkerConfig)
+        assert (worker.engine, worker.vllm.kv_transfer, worker.vllm.speculative.method) == ("vllm", "lmcache", "ngram")
+        assert worker.vllm.enforce_eager and worker.vllm.kv_cache_bytes == 1 << 20 and worker.vllm.dtype == "float32"
+        assert worker.block_size == worker.vllm.block_size == 32 and worker.nats_url == "nats://127.0.0.1:4222"
+    _, ingress = settings.decode_child(
+        child_spec(children["ingress"], "nats://x:1")[1][settings.CONFIG_DATA_ENV], IngressConfig
+    )
     assert ingress.key_scheme == "vllm-sha256-cbor" and ingress.block_size == 32
+
+
+def tiny_tokenizer_dir(tmp_path):
+    """A model directory holding only the bundled tokenizer: enough for the settings."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(settings.BUNDLED_MODEL, model)
+    return model
 
 
 def test_the_vllm_engine_without_a_model_directory_is_a_clear_error(capsys) -> None:
