@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -39,6 +41,14 @@ class _BootingEngine(SimEngine):
 
     async def stop(self) -> None:
         pass
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:  # the lifecycle as a context (start/stop inside)
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
 
 
 @dataclass
