@@ -7,6 +7,7 @@ one token for every running sequence.
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -54,14 +55,14 @@ class HandoffEngine(Protocol):
 
 @runtime_checkable
 class EngineLifecycle(Protocol):
-    """An engine that boots (``vllm``): the worker starts it before it registers, so a
-    worker is announced only when its engine can serve, and stops it on the way out."""
+    """An engine that boots and runs tasks of its own (``vllm``). The worker runs inside
+    ``serving()``: entering boots the engine (a worker is announced only once its engine
+    can serve); inside, the engine's tasks run in its task group, and one that dies raises
+    out of the block, taking the worker down; leaving stops the engine."""
 
     boot_s: float
 
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
+    def serving(self) -> AbstractAsyncContextManager[None]: ...
 
 
 class Counters(Protocol):

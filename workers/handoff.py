@@ -17,12 +17,14 @@ def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tup
         prefill_s=result.prefill_s,
         batch_tokens=result.batch_tokens,
     )
-    finished = spec.sampling.max_tokens <= 1
+    # Token 0 ends the request when the engine says so (EOS, a stop token) or when it was all
+    # the request asked for; either way no decode follows.
+    reason = result.finish_reason or ("length" if spec.sampling.max_tokens <= 1 else None)
     chunk = StreamChunk(
         request_id=spec.request_id,
         seq=0,
         token_ids=[result.first_token],
-        finish_reason="length" if finished else None,
+        finish_reason=reason,
         usage=usage,
     )
     done = PrefillDone(
@@ -31,6 +33,6 @@ def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tup
         handle=result.handle,
         first_token=result.first_token,
         usage=usage,
-        finished=finished,
+        finished=reason is not None,
     )
     return chunk, done

@@ -13,8 +13,10 @@ prefix cache (decode) reports an empty one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol, runtime_checkable
 
 import anyio
@@ -116,16 +118,14 @@ class WorkerRuntime:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         engine = self.role.engine
+        serving: AbstractAsyncContextManager[None] = contextlib.nullcontext()
         if isinstance(engine, EngineLifecycle):
-            # Boot first: the worker registers (first LoadReport) only once it can serve.
+            # Boot first: the worker registers (first LoadReport) only once it can serve. An
+            # engine task that dies raises out of the block, and out of run().
             log.info("%s worker %s: starting its %s engine", cfg.role, cfg.worker_id, cfg.engine)
-            await engine.start()
-        try:
+            serving = engine.serving()
+        async with serving:
             await self._run(task_status)
-        finally:
-            if isinstance(engine, EngineLifecycle):
-                with anyio.CancelScope(shield=True):
-                    await engine.stop()
 
     async def _run(self, task_status: TaskStatus[None]) -> None:
         cfg = self.config

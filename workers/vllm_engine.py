@@ -13,9 +13,16 @@ output's ``num_cached_tokens`` is the prompt tokens it did not compute. Fewer th
 handle's whole blocks means the load failed and the engine recomputed: the step output
 says so, the decode worker reports it, and a warning is logged.
 
-Tokens stream out as vLLM yields them: each request's generator feeds one queue that
+Tokens stream out as vLLM yields them: each request's generator feeds one list that
 ``step`` drains, so the decode role publishes whatever every sequence produced since
 its last publish, in one bus message per ingress.
+
+The engine lives inside ``serving()``, entered by the worker's ``run()`` around
+everything else it does: it boots vLLM, and keeps the engine's own tasks (the KV-event
+bridge, one task per decoding request, each in its own cancel scope) in one anyio task
+group. A task that dies takes the worker down with ``EngineError``; one request that
+fails in vLLM fails only itself, unless vLLM says the engine is dead. vLLM's
+``AsyncLLM`` is asyncio-based; anyio runs on asyncio, so it runs within the group.
 
 The engine's KV-cache events (stored, removed, cleared) arrive over ZMQ from the engine
 core process; ``VllmKvEvents`` turns vLLM's block hashes into the bus's block keys
@@ -24,15 +31,19 @@ core process; ``VllmKvEvents`` turns vLLM's block hashes into the bus's block ke
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import anyio
+from anyio.abc import TaskGroup
 
 from switchyard.kvbus.keys import cache_salt_for, key_of_digest, vllm_block_hashes
 from switchyard.schemas import (
@@ -50,6 +61,7 @@ from switchyard.schemas import (
     Tier,
 )
 from switchyard.workers.engine import PrefillResult, StepOutput
+from switchyard.workers.errors import EngineError
 from switchyard.workers.vllm_config import VllmEngineConfig
 
 log = logging.getLogger(__name__)
@@ -114,8 +126,8 @@ class VllmKvEvents:
         self.endpoint = endpoint
         self._held: dict[Tier, set[int]] = {}
         self._events: list[KvEvent] = []
-        self.changed = asyncio.Event()
-        self._stored = asyncio.Event()  # set on every batch: wakes ``wait_stored``
+        self._changed = anyio.Event()  # set while changes wait to be taken
+        self._stored = anyio.Event()  # set, then replaced, on every batch: wakes ``wait_stored``
         self.last_seq = -1
 
     def cached_blocks(self) -> dict[Tier, list[int]]:
@@ -126,21 +138,20 @@ class VllmKvEvents:
 
     async def wait_stored(self, tier: Tier, keys: list[int], timeout_s: float) -> bool:
         """True once every key is reported stored in ``tier``; False after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.holds(tier, keys):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self._stored.clear()
-            try:
-                await asyncio.wait_for(self._stored.wait(), left)
-            except TimeoutError:
-                return self.holds(tier, keys)
-        return True
+        with anyio.move_on_after(timeout_s):
+            while not self.holds(tier, keys):
+                await self._stored.wait()
+        return self.holds(tier, keys)
+
+    async def wait_changes(self) -> None:
+        """Returns when there are changes not yet taken."""
+        while not self._events:
+            await self._changed.wait()
 
     def take_kv_events(self) -> list[KvEvent]:
         events, self._events = self._events, []
-        self.changed.clear()
+        if self._changed.is_set():  # set only with changes pending: none are now
+            self._changed = anyio.Event()
         return events
 
     def apply(self, batch: Any) -> None:
@@ -163,12 +174,14 @@ class VllmKvEvents:
                 self._held.pop("device", None)  # the engine's own cache; the store keeps its blocks
                 self._events.append(AllBlocksCleared())
         if self._events:
-            self.changed.set()
+            self._changed.set()
         self._stored.set()
+        self._stored = anyio.Event()
 
     async def run(self) -> None:
         """Receive until cancelled. Connects before the engine binds (ZMQ retries), so no
-        event of the engine's is missed; a gap in vLLM's sequence is logged."""
+        event of the engine's is missed; a gap in vLLM's sequence is logged. zmq's own
+        asyncio socket: it runs on the loop anyio runs on."""
         import msgspec
         import zmq
         import zmq.asyncio
@@ -203,8 +216,24 @@ def _key(block_hash: bytes | int) -> int:
 
 @dataclass(slots=True)
 class _Decoding:
-    task: asyncio.Task
+    scope: anyio.CancelScope  # its task's: ``abort`` cancels it
     held_tokens: int
+    position: int = 1  # the output position of its next token (token 0 came from prefill)
+
+
+@dataclass(slots=True)
+class _Live:
+    """What exists only while the engine is served (``VllmEngine.serving``)."""
+
+    llm: Any  # vLLM's AsyncLLM
+    tasks: TaskGroup  # the engine's own tasks: the KV-event bridge and one per decode
+
+
+class _Prefilled(NamedTuple):
+    token: int
+    cached_tokens: int
+    transfer_params: dict | None
+    finish_reason: FinishReason | None
 
 
 class VllmEngine:
@@ -217,94 +246,153 @@ class VllmEngine:
         self.worker_id = worker_id
         self.counters = EngineCounters()
         self.boot_s = 0.0
-        self._engine: Any = None
-        self._kv_events: VllmKvEvents | None = None
-        self._bridge: asyncio.Task | None = None
+        self._work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix=f"switchyard-{worker_id}-"))
+        self._kv_events = VllmKvEvents(f"ipc://{self._work_dir / 'kv-events.sock'}")
+        self._live: _Live | None = None
         self._decoding: dict[str, _Decoding] = {}
         self._outputs: list[StepOutput] = []
-        self._ready = asyncio.Event()
+        self._ready = anyio.Event()  # replaced by each wait in ``step``, set by ``_emit``
+        self._exit: AsyncExitStack | None = None  # start()/stop() only
         self._n = 0
 
     # --- lifecycle ------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Boot the engine; returns when it can serve."""
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """Boot the engine; it serves until the block ends, its tasks in one task group.
+        One that dies raises out of here (``EngineError``, in an ``ExceptionGroup``),
+        cancelling the block: the worker goes down with it. vLLM is shut down on the way out."""
         started = time.monotonic()
-        work_dir = Path(self.config.work_dir or tempfile.mkdtemp(prefix=f"switchyard-{self.worker_id}-"))
-        work_dir.mkdir(parents=True, exist_ok=True)
-        for name, value in self.config.environment(work_dir).items():
+        self._prepare_environment()
+        llm = None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._bridge_kv_events, name=f"{self.worker_id} KV-event bridge")
+                llm = self._boot()
+                self._live = _Live(llm, tg)
+                self.boot_s = time.monotonic() - started
+                log.info("vLLM engine (%s, kv %s) ready in %.1f s", self.role, self.config.kv_transfer, self.boot_s)
+                try:
+                    yield
+                finally:
+                    self._live = None
+                    tg.cancel_scope.cancel()  # the bridge, and every decode (each aborts in vLLM)
+        finally:
+            if llm is not None:
+                llm.shutdown()
+
+    async def start(self) -> None:
+        """``serving()`` for a caller that cannot nest a block (``bench kv``); ``stop()``
+        must follow in the same task, in reverse order of starts."""
+        self._exit = AsyncExitStack()
+        await self._exit.enter_async_context(self.serving())
+
+    async def stop(self) -> None:
+        if self._exit is not None:
+            exit_stack, self._exit = self._exit, None
+            await exit_stack.aclose()
+
+    def _prepare_environment(self) -> None:
+        self._work_dir.mkdir(parents=True, exist_ok=True)
+        for name, value in self.config.environment(self._work_dir).items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         self.config.parallel.check_devices(_accelerators())
-        endpoint = f"ipc://{work_dir / 'kv-events.sock'}"
-        self._kv_events = VllmKvEvents(endpoint)
-        self._bridge = asyncio.create_task(self._kv_events.run())
-        args = AsyncEngineArgs(
-            **self.config.engine_args(self.model, self.role, work_dir, endpoint), disable_log_stats=True
-        )
-        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.counters)])
-        self.boot_s = time.monotonic() - started
-        log.info("vLLM engine (%s, kv %s) ready in %.1f s", self.role, self.config.kv_transfer, self.boot_s)
 
-    async def stop(self) -> None:
-        for decoding in self._decoding.values():
-            decoding.task.cancel()
-        if self._bridge is not None:
-            self._bridge.cancel()
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+    def _boot(self) -> Any:
+        """vLLM's engine, booted (synchronously: it starts its core process and waits for it)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = self.config.engine_args(self.model, self.role, self._work_dir, self._kv_events.endpoint)
+        args = AsyncEngineArgs(**engine_args, disable_log_stats=True)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.counters)])
+
+    async def _bridge_kv_events(self) -> None:
+        """The KV-event bridge; without it the scheduler's index of this worker goes stale,
+        so its end is the worker's end."""
+        try:
+            await self._kv_events.run()
+        except Exception as exc:
+            raise EngineError(f"{self.worker_id}: the vLLM KV-event bridge failed: {exc!r}") from exc
+        raise EngineError(f"{self.worker_id}: the vLLM KV-event bridge stopped")
+
+    def _serving(self) -> _Live:
+        if self._live is None:
+            raise EngineError(f"{self.worker_id}: the vLLM engine is not serving")
+        return self._live
 
     # --- KvCacheView (the prefix cache the scheduler hears of) ------------------------
 
     def cached_blocks(self) -> dict[Tier, list[int]]:
-        return self._kv_events.cached_blocks() if self._kv_events else {}
+        return self._kv_events.cached_blocks()
 
     def take_kv_events(self) -> list[KvEvent]:
-        return self._kv_events.take_kv_events() if self._kv_events else []
+        return self._kv_events.take_kv_events()
 
     async def wait_kv_changes(self) -> None:
         """Returns when the engine reported a cache change not yet taken."""
-        assert self._kv_events is not None
-        await self._kv_events.changed.wait()
+        await self._kv_events.wait_changes()
 
     # --- prefill --------------------------------------------------------------------
 
     async def prefill(self, tasks: list[PrefillTask]) -> list[PrefillResult]:
         started = time.monotonic()
-        outputs = await asyncio.gather(*(self._prefill_one(task) for task in tasks))
+        outputs = await self._prefill_all(tasks)
         elapsed = time.monotonic() - started
-        batch_tokens = sum(len(task.spec.prompt_tokens) - cached for task, (_, cached, _) in zip(tasks, outputs))
+        batch_tokens = sum(
+            len(task.spec.prompt_tokens) - out.cached_tokens for task, out in zip(tasks, outputs, strict=True)
+        )
         return [
             PrefillResult(
                 request_id=task.spec.request_id,
-                first_token=token,
-                cached_tokens=cached,
-                handle=self._handle(task.spec, params),
+                first_token=out.token,
+                cached_tokens=out.cached_tokens,
+                handle=self._handle(task.spec, out.transfer_params),
                 prefill_s=elapsed,
                 batch_tokens=batch_tokens,
+                finish_reason=out.finish_reason,
             )
-            for task, (token, cached, params) in zip(tasks, outputs)
+            for task, out in zip(tasks, outputs, strict=True)
         ]
 
-    async def _prefill_one(self, task: PrefillTask) -> tuple[int, int, dict | None]:
+    async def _prefill_all(self, tasks: list[PrefillTask]) -> list[_Prefilled]:
+        """Submitted together, so that vLLM batches them; any failure fails the batch."""
+        outputs: dict[int, _Prefilled] = {}
+
+        async def one(i: int, task: PrefillTask) -> None:
+            outputs[i] = await self._prefill_one(task)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, task in enumerate(tasks):
+                    tg.start_soon(one, i, task)
+        except ExceptionGroup as group:
+            first = group.exceptions[0]
+            raise EngineError(f"prefill of {len(tasks)} failed: {type(first).__name__}: {first}") from group
+        return [outputs[i] for i in range(len(tasks))]
+
+    async def _prefill_one(self, task: PrefillTask) -> _Prefilled:
         spec = task.spec
         extra = {"kv_transfer_params": {"do_remote_decode": True}} if self.config.kv_transfer == "nixl" else None
         params = self._sampling(spec, max_tokens=1, extra_args=extra)
         final = None
-        async for output in self._engine.generate(
+        async for output in self._serving().llm.generate(
             self._prompt(spec, spec.prompt_tokens), params, self._request_id(spec)
         ):
             final = output
         if final is None or not final.outputs or not final.outputs[0].token_ids:
-            raise RuntimeError(f"vLLM returned no token for {spec.request_id}")
-        return final.outputs[0].token_ids[0], final.num_cached_tokens or 0, final.kv_transfer_params
+            raise EngineError(f"vLLM returned no token for {spec.request_id}")
+        completion = final.outputs[0]
+        return _Prefilled(
+            completion.token_ids[0],
+            final.num_cached_tokens or 0,
+            final.kv_transfer_params,
+            first_token_finish(completion.finish_reason),
+        )
 
     async def wait_handoff(self, tasks: list[PrefillTask], results: list[PrefillResult]) -> None:
         """Returns once the KV these prefills computed is in the Mooncake Store, so a decode
@@ -312,11 +400,11 @@ class VllmEngine:
         connector reports each block once written (KV events, ``cluster`` tier). Past
         ``handoff_timeout_s`` the handoff goes ahead and the decode side reports what it
         could not load."""
-        if self.config.kv_transfer != "mooncake-store" or self._kv_events is None:
+        if self.config.kv_transfer != "mooncake-store":
             return
         block = self.config.block_size
         waiting: list[int] = []
-        for task, result in zip(tasks, results):
+        for task, result in zip(tasks, results, strict=True):
             spec = task.spec
             hashes = vllm_block_hashes(
                 spec.prompt_tokens, block, cache_salt_for(spec.tenant, spec.model), self.config.hash_seed
@@ -359,19 +447,20 @@ class VllmEngine:
 
     def add(self, task: DecodeTask) -> None:
         rid = task.spec.request_id
-        held = len(task.spec.prompt_tokens) + task.spec.sampling.max_tokens
-        self._decoding[rid] = _Decoding(asyncio.create_task(self._decode_one(task)), held)
+        decoding = _Decoding(anyio.CancelScope(), len(task.spec.prompt_tokens) + task.spec.sampling.max_tokens)
+        self._decoding[rid] = decoding
+        self._serving().tasks.start_soon(self._decode_one, task, decoding, name=f"decode {rid}")
 
     def abort(self, request_id: str) -> bool:
         decoding = self._decoding.pop(request_id, None)
         if decoding is None:
             return False
-        decoding.task.cancel()  # vLLM aborts a request whose generator is closed
+        decoding.scope.cancel()  # its task tells vLLM (``_decode_one``)
         return True
 
     async def step(self) -> list[StepOutput]:
         while not self._outputs and self._decoding:
-            self._ready.clear()
+            self._ready = anyio.Event()
             await self._ready.wait()
         outputs, self._outputs = self._outputs, []
         return outputs
@@ -380,7 +469,34 @@ class VllmEngine:
         self._outputs.append(output)
         self._ready.set()
 
-    async def _decode_one(self, task: DecodeTask) -> None:
+    async def _decode_one(self, task: DecodeTask, decoding: _Decoding) -> None:
+        """One request's decode, in its own cancel scope. vLLM failing the request fails
+        the request (an ``abort`` output, logged); vLLM's engine dead fails the worker."""
+        rid = task.spec.request_id
+        llm = self._serving().llm
+        vllm_rid = self._request_id(task.spec)
+        with decoding.scope:
+            try:
+                await self._stream_decode(llm, task, vllm_rid, decoding)
+            except Exception as exc:
+                self._emit(StepOutput(request_id=rid, token=None, position=decoding.position, finished="abort"))
+                if llm.errored:
+                    raise EngineError(f"{self.worker_id}: the vLLM engine died decoding {rid}") from exc
+                log.exception("%s: decode failed", rid)
+            except anyio.get_cancelled_exc_class():
+                # Aborted, or the engine is stopping. vLLM aborts a request whose generator
+                # closes, but that await is cancelled too (anyio cancels until the scope
+                # exits): tell it here, shielded.
+                with anyio.move_on_after(5, shield=True):
+                    await llm.abort(vllm_rid)
+                raise
+            finally:
+                if self._decoding.get(rid) is decoding:
+                    del self._decoding[rid]
+                self._ready.set()
+
+    async def _stream_decode(self, llm: Any, task: DecodeTask, vllm_rid: str, decoding: _Decoding) -> None:
+        """vLLM's outputs for one request, as ``StepOutput``s from position 1 on."""
         from vllm.sampling_params import RequestOutputKind
 
         spec = task.spec
@@ -390,54 +506,41 @@ class VllmEngine:
         params = self._sampling(
             spec, max_tokens=spec.sampling.max_tokens - 1, extra_args=extra, kind=RequestOutputKind.DELTA
         )
-        position, loaded = 1, None
-        try:
-            async for output in self._engine.generate(
-                self._prompt(spec, [*spec.prompt_tokens, task.first_token]), params, self._request_id(spec)
-            ):
-                if loaded is None:
-                    loaded = output.num_cached_tokens or 0
-                    if loaded < expected:
-                        log.warning(
-                            "%s: KV handed over for %d prompt tokens, engine loaded %d: recomputed",
-                            rid,
-                            expected,
-                            loaded,
-                        )
-                completion = output.outputs[0]
-                tokens = list(completion.token_ids)
-                reason = _FINISH.get(completion.finish_reason, "stop") if output.finished else None
-                for i, token in enumerate(tokens):
-                    last = i == len(tokens) - 1
-                    self._emit(
-                        StepOutput(
-                            request_id=rid,
-                            token=token,
-                            position=position,
-                            finished=reason if last else None,
-                            kv_expected_tokens=expected if last and reason else 0,
-                            kv_loaded_tokens=min(loaded, expected) if last and reason else 0,
-                        )
+        loaded = None
+        async for output in llm.generate(self._prompt(spec, [*spec.prompt_tokens, task.first_token]), params, vllm_rid):
+            if loaded is None:
+                loaded = output.num_cached_tokens or 0
+                if loaded < expected:
+                    log.warning(
+                        "%s: KV handed over for %d prompt tokens, engine loaded %d: recomputed", rid, expected, loaded
                     )
-                    position += 1
-                if output.finished and not tokens:  # finished with nothing new: close the stream
-                    self._emit(
-                        StepOutput(
-                            request_id=rid,
-                            token=None,
-                            position=position,
-                            finished=reason or "stop",
-                            kv_expected_tokens=expected,
-                            kv_loaded_tokens=min(loaded, expected),
-                        )
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            reason = _FINISH.get(completion.finish_reason, "stop") if output.finished else None
+            for i, token in enumerate(tokens):
+                last = i == len(tokens) - 1
+                self._emit(
+                    StepOutput(
+                        request_id=rid,
+                        token=token,
+                        position=decoding.position,
+                        finished=reason if last else None,
+                        kv_expected_tokens=expected if last and reason else 0,
+                        kv_loaded_tokens=min(loaded, expected) if last and reason else 0,
                     )
-        except Exception:
-            log.exception("%s: decode failed", rid)
-            self._emit(StepOutput(request_id=rid, token=None, position=position, finished="abort"))
-        finally:
-            if self._decoding.get(rid) is not None and self._decoding[rid].task is asyncio.current_task():
-                del self._decoding[rid]
-            self._ready.set()
+                )
+                decoding.position += 1
+            if output.finished and not tokens:  # finished with nothing new: close the stream
+                self._emit(
+                    StepOutput(
+                        request_id=rid,
+                        token=None,
+                        position=decoding.position,
+                        finished=reason or "stop",
+                        kv_expected_tokens=expected,
+                        kv_loaded_tokens=min(loaded, expected),
+                    )
+                )
 
     # --- shared ---------------------------------------------------------------------
 
@@ -470,6 +573,13 @@ class VllmEngine:
         if kind is not None:
             kwargs["output_kind"] = kind
         return SamplingParams(**kwargs)
+
+
+def first_token_finish(reason: str | None) -> FinishReason | None:
+    """What vLLM's reason for ending a prefill (run with ``max_tokens=1``) means for the
+    request: "stop" is EOS or a stop token, which ends it there; "length" is only our
+    cap of one token, and decode goes on."""
+    return "stop" if reason == "stop" else None
 
 
 def decode_transfer_args(handle: Any) -> dict[str, Any] | None:
