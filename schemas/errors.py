@@ -20,8 +20,10 @@ SwitchyardError
 ├── WorkerError                       switchyard.workers.errors
 │   └── EngineError                   an engine failed a request, or one of its own tasks died
 ├── TracingError                      switchyard.observability.tracing: an exporter this install lacks
+├── ConfigError (+ ValueError)        switchyard.settings: a setting that cannot be used (name, source, why)
 ├── ProcessError                      switchyard.procs: a child process did not start or get ready
-└── TraceError (+ ValueError)         switchyard.bench.traces: a benchmark trace that cannot be read
+├── TraceError (+ ValueError)         switchyard.bench.traces: a benchmark trace that cannot be read
+└── DocError (+ ValueError)           switchyard.bench.simdoc: doc markers without results
 
 The scheduler and kvbus raise no error of their own: their argument checks are
 ``ValueError``s, as Python's are. Expected outcomes ("no capacity", "rejected") are
