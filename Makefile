@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TINY_MODEL ?= .cache/tiny-llama
 
-.PHONY: run test install bench-overhead bench-kv clean
+.PHONY: run test lint install bench-overhead bench-kv clean
 
 $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh
 	bash scripts/install-system-deps.sh
@@ -26,7 +26,14 @@ run: install $(TINY_MODEL)/switchyard-tiny.json
 	$(VENV)/bin/switchyard up --engine vllm --model $(TINY_MODEL) --dtype float32 --enforce-eager \
 		--kv-cache-bytes 134217728 --max-model-len 32768
 
-test: install
+# ruff (lint and format) and mypy (strict on schemas, scheduler, kvbus, observability; the
+# rest checked) first: a new violation fails CI before the suite runs.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	bash scripts/typecheck.sh
+
+test: lint
 	$(PY) -m pytest -q
 
 bench-overhead: install

@@ -43,7 +43,7 @@ from switchyard.bench import plots
 from switchyard.bench.stats import percentile
 
 if TYPE_CHECKING:
-    from switchyard.workers.vllm_config import KvTransfer
+    from switchyard.workers import KvTransfer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _kv_paths(arg: str) -> list[KvTransfer]:
     """``--paths``, each one checked before any process starts."""
-    from switchyard.workers.vllm_config import KvTransfer
+    from switchyard.workers import KvTransfer
 
     try:
         return msgspec.convert([p for p in arg.split(",") if p], list[KvTransfer])
@@ -102,7 +102,7 @@ def _kv_paths(arg: str) -> list[KvTransfer]:
 
 
 def _engine_config(path: KvTransfer, ports: procs.MooncakePorts, work: Path, role: str, max_len: int):
-    from switchyard.workers.vllm_config import LmcacheSettings, MooncakeSettings, VllmEngineConfig
+    from switchyard.workers import LmcacheSettings, MooncakeSettings, VllmEngineConfig
 
     return VllmEngineConfig(
         kv_transfer=path,
@@ -117,7 +117,7 @@ def _engine_config(path: KvTransfer, ports: procs.MooncakePorts, work: Path, rol
 
 
 async def ttft_rows(model: Path, path: KvTransfer, ports, lengths: list[int], repeats: int, work: Path) -> list[dict]:
-    from switchyard.workers.vllm_engine import VllmEngine
+    from switchyard.workers import VllmEngine
 
     max_len = max(lengths) + 64
     producer = VllmEngine(_engine_config(path, ports, work, "prefill", max_len), str(model), "prefill", "bench-p")

@@ -432,7 +432,7 @@ def _plots(results: Results, out: Path) -> None:
     fig, ax = plots.figure()
     names = list(results.rss_mib)
     width = 0.4
-    xs = range(len(names))
+    xs = list(range(len(names)))
     ax.bar([x - width / 2 for x in xs], [results.rss_mib[n]["idle"] for n in names], width, label="idle")
     ax.bar([x + width / 2 for x in xs], [results.rss_mib[n].get("loaded", 0) for n in names], width, label="under load")
     ax.set_xticks(list(xs), names, rotation=20)

@@ -23,8 +23,7 @@ from typing import Any
 from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import TICK, EventLoop, FleetShape, SimWorker
 from switchyard.bench.traces import TRACE_BLOCK_SIZE, TraceRequest, block_keys, tenant_salt
-from switchyard.scheduler.config import SchedulerConfig
-from switchyard.scheduler.core import Dispatch, FailStream, RequestSnapshot, SchedulerCore
+from switchyard.scheduler import Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
 from switchyard.schemas import (
     KvEventBatch,
     LoadReport,

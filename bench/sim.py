@@ -34,7 +34,7 @@ from switchyard.bench.fleet import FleetShape
 from switchyard.bench.replay import ReplayResult, ReplaySettings, replay
 from switchyard.bench.stats import percentile
 from switchyard.bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio, read_trace
-from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler import SchedulerConfig
 
 DEFAULT_POLICIES = "round_robin,least_requests,least_tokens,prefix,switchyard"
 
@@ -162,7 +162,7 @@ def parse_policies(text: str) -> list[str]:
         raise ValueError("--policies is empty")
     if "policy" not in SchedulerConfig.__struct_fields__:
         raise ValueError("this scheduler core has no policy setting (SchedulerConfig.policy)")
-    from switchyard.scheduler.policies import POLICIES
+    from switchyard.scheduler import POLICIES
 
     unknown = [name for name in names if name not in POLICIES]
     if unknown:
@@ -282,7 +282,7 @@ def _span(requests: list[TraceRequest], scale: float) -> float:
 
 def _progress_printer(policy: str):
     started = time.perf_counter()
-    marks = {}
+    marks: dict[str, float] = {}
 
     def progress(done: int, total: int, now: float) -> None:
         tenth = done * 10 // total

@@ -49,9 +49,7 @@ from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.text import TextAssembler
 from switchyard.ingress.tokenizer import ModelTokenizer, TokenizerError
 from switchyard.kvbus import KeyScheme
-from switchyard.observability import tracing
-from switchyard.observability.bus import BusStats
-from switchyard.observability.metrics import CONTENT_TYPE, ServingMetrics
+from switchyard.observability import CONTENT_TYPE, BusStats, ServingMetrics, tracing
 from switchyard.schemas import (
     Admitted,
     ClusterStatus,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from switchyard.schemas.config import ConfigStruct, setting
+from switchyard.schemas import ConfigStruct, setting
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -35,6 +35,6 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from switchyard.kvbus.keys import KeyScheme
+        from switchyard.kvbus import KeyScheme
 
         KeyScheme(self.key_scheme, self.hash_seed)  # raises on a hash seed the scheme cannot take

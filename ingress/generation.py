@@ -22,7 +22,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from switchyard.ingress.errors import ApiError, generation_error, internal_error
 from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from switchyard.ingress.text import TextAssembler
-from switchyard.observability.metrics import ServingMetrics
+from switchyard.observability import ServingMetrics
 from switchyard.schemas import Cancel, RequestSpec, codec, subjects
 
 log = logging.getLogger(__name__)

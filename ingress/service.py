@@ -18,8 +18,7 @@ from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.errors import IngressError
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.tokenizer import ModelTokenizer
-from switchyard.observability.bus import BusStats, connect, subscribe
-from switchyard.observability.metrics import ServingMetrics
+from switchyard.observability import BusStats, ServingMetrics, connect, subscribe
 from switchyard.schemas import subjects
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from collections import deque
 import anyio
 
 from switchyard.ingress.errors import IngressError
-from switchyard.observability.bus import decoded
+from switchyard.observability import decoded
 from switchyard.schemas import PromptUsage, StreamChunk, StreamError, codec
 
 log = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from switchyard.kvbus.keys import (
     salt_for,
     vllm_block_hashes,
 )
+from switchyard.kvbus.lmcache_config import lmcache_environment, lmcache_transfer_config
 
 __all__ = [
     "VLLM_DEFAULT_HASH_SEED",
@@ -26,6 +27,8 @@ __all__ = [
     "cache_salt_for",
     "hash_block_tokens",
     "key_of_digest",
+    "lmcache_environment",
+    "lmcache_transfer_config",
     "salt_for",
     "vllm_block_hashes",
 ]

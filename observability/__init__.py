@@ -2,3 +2,10 @@
 
 if __name__ != "switchyard.observability":  # one module, one name: the wheel installs only `switchyard`
     raise ImportError(f"import switchyard.observability, not {__name__}")
+
+from switchyard.observability import tracing
+from switchyard.observability.bus import BusStats, connect, decoded, subscribe
+from switchyard.observability.metrics import CONTENT_TYPE, ServingMetrics
+from switchyard.observability.tracing import TracingError
+
+__all__ = ["CONTENT_TYPE", "BusStats", "ServingMetrics", "TracingError", "connect", "decoded", "subscribe", "tracing"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from switchyard.schemas.config import ConfigStruct, setting
+from switchyard.schemas import ConfigStruct, setting
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 

@@ -34,8 +34,7 @@ from anyio.abc import TaskStatus
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from switchyard.observability import tracing
-from switchyard.observability.bus import BusStats, connect, decoded, subscribe
+from switchyard.observability import BusStats, connect, decoded, subscribe, tracing
 from switchyard.scheduler.config import SchedulerServiceConfig
 from switchyard.scheduler.core import (
     Action,

@@ -5,8 +5,18 @@ if __name__ != "switchyard.schemas":  # one module, one name: the wheel installs
 
 from switchyard.schemas import codec, subjects
 from switchyard.schemas.codec import Codec
+from switchyard.schemas.config import ConfigStruct, PositiveInt, setting
 from switchyard.schemas.errors import SwitchyardError
 from switchyard.schemas.messages import *  # noqa: F403  (the message catalogue is the public API)
 from switchyard.schemas.messages import __all__ as _messages_all
 
-__all__ = ["subjects", "codec", "Codec", "SwitchyardError", *_messages_all]
+__all__ = [
+    "Codec",
+    "ConfigStruct",
+    "PositiveInt",
+    "SwitchyardError",
+    "codec",
+    "setting",
+    "subjects",
+    *_messages_all,
+]

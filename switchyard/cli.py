@@ -26,11 +26,11 @@ import anyio
 import msgspec
 
 from switchyard import settings
-from switchyard.ingress.config import IngressConfig
-from switchyard.scheduler.config import SchedulerServiceConfig
+from switchyard.ingress import IngressConfig
+from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.schemas import SwitchyardError
 from switchyard.settings import ConfigError, ProcessConfig, Sources
-from switchyard.workers.config import WorkerConfig
+from switchyard.workers import WorkerConfig
 
 BUNDLED_MODEL = settings.BUNDLED_MODEL
 
@@ -200,11 +200,11 @@ def _serve(args: argparse.Namespace) -> int:
     _setup_process(command, args.child or command, process)
     match config:
         case IngressConfig():
-            from switchyard.ingress.service import IngressService
+            from switchyard.ingress import IngressService
 
             run_service(IngressService(config).run)
         case SchedulerServiceConfig():
-            from switchyard.scheduler.service import SchedulerService
+            from switchyard.scheduler import SchedulerService
 
             run_service(SchedulerService(config).run)
         case WorkerConfig():

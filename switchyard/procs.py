@@ -46,11 +46,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def _program(proc: subprocess.Popen[bytes]) -> str:
+    args = proc.args
+    first = args[0] if isinstance(args, (list, tuple)) else args
+    return os.fsdecode(first) if isinstance(first, (str, bytes, os.PathLike)) else str(first)
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise ProcessError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
+            raise ProcessError(f"{_program(proc)} exited with {proc.returncode} before listening on {port}")
         try:
             with socket.create_connection((host, port), timeout=0.2):
                 return

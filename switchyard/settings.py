@@ -30,11 +30,10 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 import msgspec
 
-from switchyard.ingress.config import IngressConfig
-from switchyard.scheduler.config import SchedulerServiceConfig
-from switchyard.schemas.config import ConfigStruct, setting
-from switchyard.schemas.errors import SwitchyardError
-from switchyard.workers.config import WorkerConfig
+from switchyard.ingress import IngressConfig
+from switchyard.scheduler import SchedulerServiceConfig
+from switchyard.schemas import ConfigStruct, SwitchyardError, setting
+from switchyard.workers import WorkerConfig
 
 BUNDLED_MODEL = Path(__file__).parent / "models" / "sim-tiny"
 ENV_PREFIX = "SWITCHYARD_"
@@ -143,7 +142,7 @@ def _walk(tree: type, prefix: str, path: tuple[str, ...], optional: tuple[str, .
             continue
         name = extra.get("flag") or prefix + info.name.replace("_", "-")
         default = info.default if info.default is not msgspec.NODEFAULT else msgspec.NODEFAULT
-        yield Setting(name, here, hint, default, meta.description if meta else "", optional)
+        yield Setting(name, here, hint, default, (meta.description if meta else None) or "", optional)
 
 
 def _meta(hint: Any) -> msgspec.Meta | None:
@@ -369,9 +368,8 @@ def known_names() -> dict[str, set[str]]:
 
 
 def _group_name(tree: type) -> str:
-    return {IngressConfig: "ingress", SchedulerServiceConfig: "scheduler", WorkerConfig: "worker"}.get(
-        tree, tree.__name__.removesuffix("Config").lower() or "settings"
-    )
+    named: dict[type, str] = {IngressConfig: "ingress", SchedulerServiceConfig: "scheduler", WorkerConfig: "worker"}
+    return named.get(tree, tree.__name__.removesuffix("Config").lower() or "settings")
 
 
 def _kind(s: Setting) -> dict[str, Any]:

@@ -30,15 +30,16 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from switchyard import procs, settings
-from switchyard.ingress.config import IngressConfig
-from switchyard.scheduler.config import SchedulerServiceConfig
+from switchyard.ingress import IngressConfig
+from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.settings import ConfigError, ProcessConfig, Resolved, Sources, UpConfig, Value
-from switchyard.workers.config import WorkerConfig
+from switchyard.workers import WorkerConfig
 
 _PLACEHOLDER_NATS = "nats://127.0.0.1:4222"  # replaced by the server's real URL at start
 
@@ -114,14 +115,14 @@ def _child(name: str, command: str, sources: Sources, service: Resolved) -> Chil
 def finish_worker(config: WorkerConfig) -> WorkerConfig:
     """What a worker's tree takes from its model: the served name (unless one was given) and,
     for the sim engine, the ordinary tokens it draws from. The vllm engine needs a real model."""
-    from switchyard.ingress.tokenizer import ModelTokenizer
+    from switchyard.ingress import ModelTokenizer
 
     if config.engine == "vllm" and config.model_path == str(settings.BUNDLED_MODEL):
         raise ConfigError(
             "model: the vllm engine needs a model directory (--model DIR); "
             "`switchyard build-tiny-model DIR` builds a tiny one"
         )
-    tokenizer = ModelTokenizer.load(config.model_path)
+    tokenizer = ModelTokenizer.load(Path(config.model_path))
     ordinary = tokenizer.sample_token_ids()
     low = 256 if len(ordinary) > 512 else ordinary.start  # single-byte tokens decode to broken UTF-8 alone
     sim = msgspec.structs.replace(config.sim, token_low=low, token_high=ordinary.stop)

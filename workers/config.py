@@ -7,8 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from switchyard.schemas import Role
-from switchyard.schemas.config import ConfigStruct, setting
+from switchyard.schemas import ConfigStruct, Role, setting
 from switchyard.workers.sim import SimEngineConfig
 from switchyard.workers.vllm_config import VllmEngineConfig
 
@@ -19,7 +18,9 @@ class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
     nats_url: Annotated[str, setting("NATS server URL", flag="nats", min_length=1)] = DEFAULT_NATS_URL
     role: Annotated[Role, setting("prefill or decode")]
     # The model's name on the bus; the CLI fills in the tokenizer's when none is given.
-    model: Annotated[str, setting("the model's name on the bus (default: its directory's)", flag="served-model-name")] = ""
+    model: Annotated[
+        str, setting("the model's name on the bus (default: its directory's)", flag="served-model-name")
+    ] = ""
     engine: Annotated[Literal["sim", "vllm"], setting("the engine: sim (a cost model) or vllm")] = "sim"
     model_path: Annotated[str, setting("model directory", flag="model")] = ""
     worker_id: Annotated[str, setting("this worker's id on the bus (default: generated)")] = ""

@@ -25,18 +25,19 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
 
-from switchyard.observability.bus import BusStats, connect, decoded, subscribe
+from switchyard.observability import BusStats, connect, decoded, subscribe
 from switchyard.schemas import (
     EngineStats,
     LoadReport,
     StreamBatch,
     StreamChunk,
+    TaskAck,
+    WorkerEvent,
     WorkerLeaving,
     WorkerTask,
     codec,
     subjects,
 )
-from switchyard.schemas.messages import TaskAck, WorkerEvent
 from switchyard.workers.config import WorkerConfig
 from switchyard.workers.engine import CountingEngine, EngineLifecycle, PrefillEngine
 from switchyard.workers.kv_events import KvCacheView, KvReporter, NoKvCache, PushedKvCache

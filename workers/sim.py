@@ -29,8 +29,17 @@ from typing import Annotated
 
 import anyio
 
-from switchyard.schemas import BlocksRemoved, BlocksStored, DecodeTask, KvEvent, PrefillTask, SimKvHandle, Tier
-from switchyard.schemas.config import ConfigStruct, setting
+from switchyard.schemas import (
+    BlocksRemoved,
+    BlocksStored,
+    ConfigStruct,
+    DecodeTask,
+    KvEvent,
+    PrefillTask,
+    SimKvHandle,
+    Tier,
+    setting,
+)
 from switchyard.workers.engine import PrefillResult, StepOutput
 
 _MASK = (1 << 64) - 1

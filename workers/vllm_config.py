@@ -28,8 +28,8 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from switchyard.kvbus.keys import VLLM_DEFAULT_HASH_SEED
-from switchyard.schemas.config import ConfigStruct, PositiveInt, setting
+from switchyard.kvbus import VLLM_DEFAULT_HASH_SEED
+from switchyard.schemas import ConfigStruct, PositiveInt, setting
 
 KvTransfer = Literal["mooncake-store", "lmcache", "nixl", "none"]
 SpecMethod = Literal["ngram", "eagle", "eagle3", "draft_model", "mtp"]
@@ -184,7 +184,7 @@ class VllmEngineConfig(ConfigStruct, frozen=True, kw_only=True):
             return {"kv_connector": "MooncakeStoreConnector", **common}
         if self.kv_transfer == "nixl":
             return {"kv_connector": "NixlConnector", **common}
-        from switchyard.kvbus.lmcache_config import lmcache_transfer_config
+        from switchyard.kvbus import lmcache_transfer_config
 
         return lmcache_transfer_config(self, role, work_dir)
 
@@ -231,7 +231,7 @@ class VllmEngineConfig(ConfigStruct, frozen=True, kw_only=True):
             path.write_text(json.dumps(self.mooncake.store_config()))
             env["MOONCAKE_CONFIG_PATH"] = str(path)
         elif self.kv_transfer == "lmcache":
-            from switchyard.kvbus.lmcache_config import lmcache_environment
+            from switchyard.kvbus import lmcache_environment
 
             env |= lmcache_environment(work_dir)
         return env

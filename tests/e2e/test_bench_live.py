@@ -21,7 +21,7 @@ def _trace(path) -> None:
                 "timestamp": i * 100,
                 "input_length": 512 * 6,
                 "output_length": 64,
-                "hash_ids": shared + [1000 + 2 * i, 1001 + 2 * i],
+                "hash_ids": [*shared, 1000 + 2 * i, 1001 + 2 * i],
             }
         )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -39,7 +39,7 @@ def test_disconnect_cancels_on_every_worker(nats):
         decode = stack.workers_of("decode")[0]
         stream = _client(stack).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2000, stream=True)
         received = 0
-        for chunk in stream:
+        for _chunk in stream:
             received += 1
             if received == 5:
                 break

@@ -162,7 +162,7 @@ def test_models_health_and_metrics(client, stack):
         "switchyard_cached_tokens_total",
         "switchyard_generation_tokens_total",
     ):
-        line = next(l for l in metrics.splitlines() if l.startswith(name))
+        line = next(row for row in metrics.splitlines() if row.startswith(name))
         assert float(line.split()[-1]) > 0 or name == "switchyard_cached_tokens_total", line
 
 

@@ -58,7 +58,7 @@ def test_up_serves_and_stops_cleanly(stop_signal):
         assert reply.usage.completion_tokens == 5
         proc.send_signal(stop_signal)
         assert proc.wait(timeout=30) == 0
-        gone, alive = psutil.wait_procs(descendants, timeout=5)
+        _gone, alive = psutil.wait_procs(descendants, timeout=5)
         assert not alive, [p.cmdline() for p in alive]
     finally:
         if proc.poll() is None:

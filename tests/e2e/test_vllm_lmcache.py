@@ -65,9 +65,9 @@ def test_speculation_is_counted_and_exported(stack, client, bus):
 
 
 def test_shared_prefix_is_reported_cached_and_the_disk_tier_written(client, bus, disk):
-    client.completions.create(model="tiny-llama", prompt=PREFIX + [300], max_tokens=2, temperature=0)
+    client.completions.create(model="tiny-llama", prompt=[*PREFIX, 300], max_tokens=2, temperature=0)
     before = settled_stats(bus, "prefill")
-    second = client.completions.create(model="tiny-llama", prompt=PREFIX + [400, 401], max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny-llama", prompt=[*PREFIX, 400, 401], max_tokens=2, temperature=0)
     shared = len(PREFIX) // BLOCK * BLOCK
     assert second.usage.prompt_tokens_details.cached_tokens == shared
     after = settled_stats(bus, "prefill", more_than=before.prompt_tokens)

@@ -15,6 +15,7 @@ boot here. What the tests prove, from the engines' own counters rather than timi
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import httpx
@@ -48,12 +49,12 @@ def test_greedy_output_through_prefill_and_decode_is_one_engines_output(referenc
 
 
 def test_shared_prefix_is_reported_cached_and_not_recomputed(client, bus, tokenizer):
-    first = client.completions.create(model="tiny-llama", prompt=PREFIX + [300, 301], max_tokens=4, temperature=0)
+    first = client.completions.create(model="tiny-llama", prompt=[*PREFIX, 300, 301], max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert wait_until(lambda: bus.stats("prefill").prompt_tokens >= 1, 5)
     before = settled_stats(bus, "prefill")
 
-    second = client.completions.create(model="tiny-llama", prompt=PREFIX + [400, 401, 402], max_tokens=4, temperature=0)
+    second = client.completions.create(model="tiny-llama", prompt=[*PREFIX, 400, 401, 402], max_tokens=4, temperature=0)
     shared = len(PREFIX) // BLOCK * BLOCK
     assert second.usage.prompt_tokens_details.cached_tokens == shared
     after = settled_stats(bus, "prefill", more_than=before.prompt_tokens)
@@ -80,7 +81,7 @@ def test_shared_prefix_is_reported_cached_and_not_recomputed(client, bus, tokeni
 
 
 def test_metrics_export_the_engines_counters(stack, client):
-    client.completions.create(model="tiny-llama", prompt=PREFIX + [500], max_tokens=3, temperature=0)
+    client.completions.create(model="tiny-llama", prompt=[*PREFIX, 500], max_tokens=3, temperature=0)
     text = httpx.get(stack.url + "/metrics", timeout=5).text
     assert 'switchyard_worker_prompt_tokens{engine="vllm",role="prefill",source="computed"' in text
     assert 'switchyard_worker_boot_seconds{engine="vllm",role="decode"' in text
@@ -98,7 +99,7 @@ def test_the_index_holds_the_engines_blocks_under_the_ingress_keys(stack, bus):
     index through the scheduler's status of a worker's held blocks."""
     from switchyard.kvbus import KeyScheme
 
-    keys = KeyScheme("vllm-sha256-cbor").keys(PREFIX + [300, 301], BLOCK, "default", "tiny-llama")
+    keys = KeyScheme("vllm-sha256-cbor").keys([*PREFIX, 300, 301], BLOCK, "default", "tiny-llama")
     snapshot = _snapshot(bus, "prefill")
     assert set(keys) <= set(snapshot), "the engine's stored blocks are not the ingress's keys"
 
@@ -183,9 +184,11 @@ def test_a_dead_mooncake_segment_means_recompute_not_failure(stack, client, bus,
     # The stack restarts the segment; the handoff works again afterwards.
     assert wait_until(lambda: len(stack.children("mooncake_client")) == 1, 30)
 
-    def handed_over(attempt=[0]) -> bool:
-        attempt[0] += 1
-        again = client.with_options(default_headers={"x-switchyard-tenant": f"after-{attempt[0]}"}).completions.create(
+    attempts = itertools.count(1)
+
+    def handed_over() -> bool:
+        tenant = f"after-{next(attempts)}"
+        again = client.with_options(default_headers={"x-switchyard-tenant": tenant}).completions.create(
             model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
         )
         assert again.choices[0].text == tokenizer.decode(expected["tokens"])

@@ -33,6 +33,6 @@ def test_nixl_handoff_matches_one_engine(module_nats, tmp_path, references):
             )
             assert response.choices[0].text == tokenizer.decode(expected["tokens"])
             if len(expected["tokens"]) > 1:
-                assert wait_until(lambda: response.id in bus.finished(), 5)
+                assert wait_until(lambda r=response: r.id in bus.finished(), 5)
                 done = bus.finished()[response.id]
                 assert done.kv_loaded_tokens == done.kv_expected_tokens == len(prompt) // BLOCK * BLOCK

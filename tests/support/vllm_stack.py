@@ -251,7 +251,7 @@ def assert_greedy_matches_reference(client, bus: BusWatch, tokenizer, references
         assert choice.finish_reason == expected["finish_reason"]
         if len(expected["tokens"]) < 2:
             continue  # ended at token 0: nothing was handed to decode
-        assert wait_until(lambda: response.id in bus.finished(), 5), "no RequestFinished"
+        assert wait_until(lambda r=response: r.id in bus.finished(), 5), "no RequestFinished"
         finished = bus.finished()[response.id]
         assert finished.kv_expected_tokens == len(prompt) // BLOCK * BLOCK  # of prompt + token 0
         assert finished.kv_loaded_tokens == finished.kv_expected_tokens, "the decode engine recomputed"

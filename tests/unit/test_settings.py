@@ -84,9 +84,9 @@ def test_names_that_no_setting_has_are_errors_not_ignored(tmp_path) -> None:
         _sources(["worker"], {}, "[worker]\ntokens = 1\n", tmp_path)
     with pytest.raises(ConfigError, match=r"unknown table \[workers\]"):
         _sources(["worker"], {}, "[workers]\ntoken-budget = 1\n", tmp_path)
-    with pytest.raises(ConfigError, match="config file .*: Invalid value"):
+    with pytest.raises(ConfigError, match=r"config file .*: Invalid value"):
         _sources(["worker"], {}, "token-budget = = 1\n", tmp_path)
-    with pytest.raises(ConfigError, match="config file /nonexistent.toml"):
+    with pytest.raises(ConfigError, match=r"config file /nonexistent\.toml"):
         cli.sources_of(cli.build_parser().parse_args(["worker", "--config", "/nonexistent.toml"]), env={})
     assert _sources(["worker"], {"SWITCHYARD_GPU": "1"}).env == {}  # not a setting, and not refused
 
