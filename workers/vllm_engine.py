@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import anyio
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
-from switchyard.kvbus.keys import cache_salt_for, key_of_digest, vllm_block_hashes
+from switchyard.kvbus import cache_salt_for, key_of_digest, vllm_block_hashes
 from switchyard.schemas import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -178,10 +178,10 @@ class VllmKvEvents:
         self._stored.set()
         self._stored = anyio.Event()
 
-    async def run(self) -> None:
-        """Receive until cancelled. Connects before the engine binds (ZMQ retries), so no
-        event of the engine's is missed; a gap in vLLM's sequence is logged. zmq's own
-        asyncio socket: it runs on the loop anyio runs on."""
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Receive until cancelled. Started (``task_status``) once connected, before the
+        engine binds (ZMQ retries), so no event of the engine's is missed; a gap in vLLM's
+        sequence is logged. zmq's own asyncio socket: it runs on the loop anyio runs on."""
         import msgspec
         import zmq
         import zmq.asyncio
@@ -192,6 +192,7 @@ class VllmKvEvents:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self.endpoint)
+        task_status.started()
         try:
             while True:
                 _topic, seq_bytes, payload = await sock.recv_multipart()
@@ -267,7 +268,7 @@ class VllmEngine:
         llm = None
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._bridge_kv_events, name=f"{self.worker_id} KV-event bridge")
+                await tg.start(self._bridge_kv_events, name=f"{self.worker_id} KV-event bridge")  # connected
                 llm = self._boot()
                 self._live = _Live(llm, tg)
                 self.boot_s = time.monotonic() - started
@@ -311,11 +312,11 @@ class VllmEngine:
         args = AsyncEngineArgs(**engine_args, disable_log_stats=True)
         return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.counters)])
 
-    async def _bridge_kv_events(self) -> None:
+    async def _bridge_kv_events(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The KV-event bridge; without it the scheduler's index of this worker goes stale,
         so its end is the worker's end."""
         try:
-            await self._kv_events.run()
+            await self._kv_events.run(task_status=task_status)
         except Exception as exc:
             raise EngineError(f"{self.worker_id}: the vLLM KV-event bridge failed: {exc!r}") from exc
         raise EngineError(f"{self.worker_id}: the vLLM KV-event bridge stopped")

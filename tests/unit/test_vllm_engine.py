@@ -57,15 +57,22 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     """Makes ``VllmEngine`` boot the fake (set ``.llm``) with a KV-event bridge that idles
     (or does what ``.bridge`` says)."""
-    state = SimpleNamespace(llm=FakeLLM(lambda rid: [output([1], "length")]), bridge=None)
+    state = SimpleNamespace(llm=FakeLLM(lambda rid: [output([1], "length")]), bridge=None, order=[])
 
-    async def bridge(self) -> None:
+    async def bridge(self, *, task_status) -> None:
+        state.order.append("bridge connected")
+        task_status.started()
         if state.bridge is not None:
             await state.bridge()
         await anyio.sleep_forever()
 
     monkeypatch.setattr(VllmEngine, "_prepare_environment", lambda self: None)
-    monkeypatch.setattr(VllmEngine, "_boot", lambda self: state.llm)
+
+    def boot(self) -> FakeLLM:
+        state.order.append("engine booted")
+        return state.llm
+
+    monkeypatch.setattr(VllmEngine, "_boot", boot)
     monkeypatch.setattr(VllmKvEvents, "run", bridge)
     return state
 
@@ -107,6 +114,12 @@ async def test_a_bridge_that_ends_takes_the_engine_down_too(fake_vllm, tmp_path)
         async with engine(tmp_path).serving():
             await anyio.sleep_forever()
     assert caught.value.subgroup(EngineError) is not None
+
+
+async def test_the_bridge_connects_before_the_engine_boots(fake_vllm, tmp_path):
+    async with engine(tmp_path).serving():
+        assert fake_vllm.order == ["bridge connected", "engine booted"]  # no event of the engine's is missed
+    assert fake_vllm.llm.shut_down
 
 
 # --- decode ---------------------------------------------------------------------------------------
