@@ -14,6 +14,8 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -102,12 +104,12 @@ class Ingress:
             ],
             # Exception: Starlette's outermost middleware answers with it, then re-raises
             # for the server to log; the client never sees a plain-text 500.
-            exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+            exception_handlers=_HANDLERS,
         )
 
     # --- endpoints --------------------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response | Generation:
         body = decode_body(await self._read_body(request), ChatCompletionRequest)
         self._check_common(body)
         try:
@@ -118,7 +120,7 @@ class Ingress:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         return await self._generate(request, "chat", body, prompt, self._max_tokens(len(prompt), requested, param))
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response | Generation:
         body = decode_body(await self._read_body(request), CompletionRequest)
         self._check_common(body)
         if body.echo:
@@ -229,7 +231,9 @@ class Ingress:
 
     # --- generation ----------------------------------------------------------------------------
 
-    async def _generate(self, request: Request, kind: Kind, body, prompt: list[int], max_tokens: int) -> Response:
+    async def _generate(
+        self, request: Request, kind: Kind, body: Any, prompt: list[int], max_tokens: int
+    ) -> Response | Generation:
         tenant = request.headers.get(TENANT_HEADER, "default")
         if not _TENANT_RE.match(tenant):
             raise InvalidRequest(f"Header {TENANT_HEADER} must match {_TENANT_RE.pattern}.")
@@ -306,7 +310,7 @@ class Ingress:
             model=self.model,
             prompt_tokens=prompt,
             block_size=self.config.block_size,
-            block_keys=keys,
+            block_keys=cast("list[int]", keys),  # a BlockKey is an int
             sampling=sampling,
             tenant=tenant,
             session=session,
@@ -374,3 +378,11 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     error.status = exc.status_code
     error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return Response(error.encoded(), status_code=exc.status_code, media_type="application/json")
+
+
+# Starlette types every handler as taking any Exception; each of ours takes the class it is keyed by.
+_HANDLERS: dict[Any, Callable[..., Awaitable[Response]]] = {
+    ApiError: _api_error,
+    HTTPException: _http_error,
+    Exception: _internal_error,
+}

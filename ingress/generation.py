@@ -17,6 +17,7 @@ from typing import Literal
 
 import anyio
 import msgspec
+from nats.aio.client import Client
 from opentelemetry.trace import Span, Status, StatusCode
 
 from switchyard.ingress.errors import ApiError, generation_error, internal_error
@@ -40,7 +41,7 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 class GenerationContext:
     """What a generation needs from its ingress."""
 
-    nc: object  # nats Client
+    nc: Client
     router: StreamRouter
     metrics: ServingMetrics
 

@@ -11,11 +11,13 @@ validation.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 
 from switchyard.ingress.errors import InvalidRequest
+
+_T = TypeVar("_T")
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -65,7 +67,7 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4
 
 
-def decode_body(body: bytes, type_: type) -> msgspec.Struct:
+def decode_body(body: bytes, type_: type[_T]) -> _T:
     if not body.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     try:

@@ -36,9 +36,11 @@ from tokenizers import Tokenizer
 from switchyard.ingress.errors import IngressError
 
 try:
-    from tokenizers.decoders import DecodeStream
+    from tokenizers.decoders import DecodeStream as _DecodeStream
 except ImportError:  # tokenizers < 0.21; IncrementalDecoder falls back to re-decoding.
-    DecodeStream = None
+    _DecodeStream = None  # type: ignore[assignment,misc]
+# Any: the tests take it away (None) to exercise the fallback.
+DecodeStream: Any = _DecodeStream
 
 __all__ = ["IncrementalDecoder", "ModelInfo", "ModelTokenizer", "TokenizerError"]
 

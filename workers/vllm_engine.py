@@ -425,7 +425,7 @@ class VllmEngine:
             )
 
     def _handle(self, spec: RequestSpec, params: dict | None):
-        common = {
+        common: dict[str, Any] = {
             "worker_id": self.worker_id,
             "num_tokens": len(spec.prompt_tokens),
             "block_size": self.config.block_size,
