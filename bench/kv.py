@@ -123,23 +123,26 @@ async def ttft_rows(model: Path, path: KvTransfer, ports, lengths: list[int], re
     producer = VllmEngine(_engine_config(path, ports, work, "prefill", max_len), str(model), "prefill", "bench-p")
     consumer = VllmEngine(_engine_config(path, ports, work, "decode", max_len), str(model), "decode", "bench-d")
     print(f"[{path}] booting two engines", flush=True)
-    await producer.start()
-    await consumer.start()
-    print(f"[{path}] engines ready in {producer.boot_s:.0f} s and {consumer.boot_s:.0f} s", flush=True)
-    kv_bytes_per_token = _kv_bytes_per_token(model)
+    async with producer.serving(), consumer.serving():
+        print(f"[{path}] engines ready in {producer.boot_s:.0f} s and {consumer.boot_s:.0f} s", flush=True)
+        return await _measure(producer, consumer, path, lengths, repeats, _kv_bytes_per_token(model))
+
+
+async def _measure(producer, consumer, path: KvTransfer, lengths: list[int], repeats: int, kv_bytes_per_token: int):
+    """Per length and repeat: TTFT with the prefix loaded through the connector, and recomputed."""
     rows = []
-    try:
-        await consumer.prefill([_task([5, 6, 7] * 20, "warm-up")])  # first-call costs out of the figures
-        for length in lengths:
-            prompt = [256 + (i * 7919) % 3800 for i in range(length)]
-            for r in range(repeats):
-                tenant = f"{path}-{length}-{r}-{time.time_ns()}"
-                stored = _task(prompt, tenant)
-                await producer.wait_handoff([stored], await producer.prefill([stored]))  # as a prefill worker does
-                (loaded,) = await consumer.prefill([_task(prompt, tenant)])
-                (computed,) = await consumer.prefill([_task(prompt, tenant + "-cold")])
-                kv_bytes = loaded.cached_tokens * kv_bytes_per_token
-                row = {
+    await consumer.prefill([_task([5, 6, 7] * 20, "warm-up")])  # first-call costs out of the figures
+    for length in lengths:
+        prompt = [256 + (i * 7919) % 3800 for i in range(length)]
+        for r in range(repeats):
+            tenant = f"{path}-{length}-{r}-{time.time_ns()}"
+            stored = _task(prompt, tenant)
+            await producer.wait_handoff([stored], await producer.prefill([stored]))  # as a prefill worker does
+            (loaded,) = await consumer.prefill([_task(prompt, tenant)])
+            (computed,) = await consumer.prefill([_task(prompt, tenant + "-cold")])
+            kv_bytes = loaded.cached_tokens * kv_bytes_per_token
+            rows.append(
+                {
                     "path": path,
                     "length": length,
                     "repeat": r,
@@ -150,15 +153,12 @@ async def ttft_rows(model: Path, path: KvTransfer, ports, lengths: list[int], re
                     "kv_bytes": kv_bytes,
                     "kv_gib_per_s": kv_bytes / loaded.prefill_s / (1 << 30),
                 }
-                rows.append(row)
-                print(
-                    f"[{path}] {length:>6} tokens #{r}: load {loaded.prefill_s * 1000:8.1f} ms "
-                    f"({loaded.cached_tokens} loaded), recompute {computed.prefill_s * 1000:8.1f} ms",
-                    flush=True,
-                )
-    finally:
-        await consumer.stop()
-        await producer.stop()
+            )
+            print(
+                f"[{path}] {length:>6} tokens #{r}: load {loaded.prefill_s * 1000:8.1f} ms "
+                f"({loaded.cached_tokens} loaded), recompute {computed.prefill_s * 1000:8.1f} ms",
+                flush=True,
+            )
     return rows
 
 

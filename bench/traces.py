@@ -26,13 +26,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
+from switchyard.schemas import SwitchyardError
+
 TRACE_BLOCK_SIZE = 512  # tokens per hash id, in both formats
 TraceFormat = Literal["mooncake", "azure"]
 _MASK = (1 << 64) - 1
 _EPOCH = datetime(1970, 1, 1)
 
 
-class TraceError(ValueError):
+class TraceError(SwitchyardError, ValueError):
     """A trace that cannot be read; the message names the file and line."""
 
 

@@ -37,7 +37,7 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -253,7 +253,6 @@ class VllmEngine:
         self._decoding: dict[str, _Decoding] = {}
         self._outputs: list[StepOutput] = []
         self._ready = anyio.Event()  # replaced by each wait in ``step``, set by ``_emit``
-        self._exit: AsyncExitStack | None = None  # start()/stop() only
         self._n = 0
 
     # --- lifecycle ------------------------------------------------------------------
@@ -281,17 +280,6 @@ class VllmEngine:
         finally:
             if llm is not None:
                 llm.shutdown()
-
-    async def start(self) -> None:
-        """``serving()`` for a caller that cannot nest a block (``bench kv``); ``stop()``
-        must follow in the same task, in reverse order of starts."""
-        self._exit = AsyncExitStack()
-        await self._exit.enter_async_context(self.serving())
-
-    async def stop(self) -> None:
-        if self._exit is not None:
-            exit_stack, self._exit = self._exit, None
-            await exit_stack.aclose()
 
     def _prepare_environment(self) -> None:
         self._work_dir.mkdir(parents=True, exist_ok=True)
