@@ -40,6 +40,17 @@ class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
     session_max_load: Annotated[
         float, setting("a session follows its worker only below this share of the worker's budget", gt=0)
     ] = 0.8
+    decode_overcommit: Annotated[
+        float,
+        setting(
+            "requests in flight may claim this multiple of the decode fleet's KV capacity (prompt + max_tokens "
+            "each); past it a request gets 429 up front instead of waiting after token 0",
+            ge=1.0,
+        ),
+    ] = 2.0
+    default_decode_s: Annotated[
+        float, setting("a decode's duration assumed before one is measured (for Retry-After)", gt=0)
+    ] = 10.0
     local_prefill_max_tokens: Annotated[
         int, setting("prompts with at most this many uncached tokens prefill on their decode worker", ge=0)
     ] = 0

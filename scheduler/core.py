@@ -78,7 +78,7 @@ class BindSession:
 Action = Dispatch | FailStream | RequestSnapshot | BindSession
 DispatchOutcome = Literal["refused", "no_responders", "timeout"]
 
-_RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate sample
+_RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sample
 
 
 class SchedulerCore:
@@ -91,6 +91,11 @@ class SchedulerCore:
         self.placer = Placer(config, self.index)
         self._queue = FairQueue()
         self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
+        # Decode admission: the KV tokens (prompt + max_tokens) every request in flight can
+        # come to hold on a decode worker, whatever its phase, against the decode fleet's
+        # capacity; and how long a decode lasts (learned), for the Retry-After.
+        self._decode_demand = 0
+        self._decode_s = config.default_decode_s
         self._arrivals = 0
         self._snapshots_asked: set[str] = set()
         self._snapshot_retry_at: dict[str, float] = {}  # worker -> when to ask again
@@ -109,6 +114,7 @@ class SchedulerCore:
         self._arrivals += 1
         tracked = Tracked(spec=spec, enqueued_at=now, order=self._arrivals)
         self.requests[spec.request_id] = tracked
+        self._decode_demand += tracked.decode_tokens
         self._queue.push(tracked)
         self._capacity_changed()  # it may be the new head
         tracked.phase = "queued"
@@ -131,6 +137,7 @@ class SchedulerCore:
                 tracked = self.requests.get(event.request_id)
                 if tracked is None or tracked.worker_id != event.worker_id:
                     return []  # stale: from an attempt that is no longer the request's
+                self._learn_decode(tracked, now)
                 self._forget(event.request_id)
                 return self._drain(now)
             case WorkerLeaving():
@@ -240,6 +247,7 @@ class SchedulerCore:
         assert self._queue.tokens == sum(self.requests[r].prompt_tokens for r in queued)
         assert all(self.requests[r].phase == "queued" for r in queued)
         assert all(self.requests[r].phase == "awaiting_decode" for r in self._decode_wait)
+        assert self._decode_demand == sum(t.decode_tokens for t in self.requests.values())
 
     # --- admission -----------------------------------------------------------------
 
@@ -265,7 +273,40 @@ class SchedulerCore:
             return self._overloaded(rid, f"{self._queue.tokens} prompt tokens are already queued")
         if spec.deadline_s is not None and len(self._queue) and self.predicted_wait_s() > spec.deadline_s:
             return self._overloaded(rid, f"the predicted wait exceeds the deadline of {spec.deadline_s:.1f} s")
-        return None
+        return self._decode_refusal(rid, tokens + spec.sampling.max_tokens)
+
+    def decode_capacity(self) -> int:
+        """KV tokens the decode fleet holds at once: decode workers' budgets, colocated
+        workers' KV capacity."""
+        return sum(
+            w.token_budget if w.role == "decode" else w.kv_capacity
+            for w in self.workers.values()
+            if w.role != "prefill"
+        )
+
+    def _decode_refusal(self, rid: str, decode_tokens: int) -> Rejected | None:
+        """429 up front when the decode fleet cannot give this request room in time: what is
+        in flight already claims ``decode_overcommit`` times its KV capacity. An empty fleet
+        still takes one request, however large (it runs alone, as a prompt over budget does)."""
+        capacity = self.decode_capacity()
+        limit = self.config.decode_overcommit * capacity
+        if self._decode_demand == 0 or self._decode_demand + decode_tokens <= limit:
+            return None
+        excess = self._decode_demand + decode_tokens - limit
+        wait = max(1.0, math.ceil(self._decode_s * excess / max(capacity, 1)))
+        return Rejected(
+            request_id=rid,
+            reason="overloaded",
+            retry_after_s=wait,
+            message=(
+                f"decode is full: requests in flight claim {self._decode_demand} KV tokens of "
+                f"{capacity} ({self.config.decode_overcommit:g}x allowed); retry in about {wait:.0f} s"
+            ),
+        )
+
+    def _learn_decode(self, tracked: Tracked, now: float) -> None:
+        if tracked.decode_started is not None and tracked.phase == "decode":
+            self._decode_s = (1 - _RATE_WEIGHT) * self._decode_s + _RATE_WEIGHT * (now - tracked.decode_started)
 
     def _overloaded(self, rid: str, why: str) -> Rejected:
         wait = max(1.0, math.ceil(self.predicted_wait_s()))
@@ -341,7 +382,7 @@ class SchedulerCore:
                 worker.hold(done.request_id, tracked.decode_tokens)
             else:
                 worker.assign(done.request_id, tracked.decode_tokens)
-            tracked.phase = "decode"
+            tracked.phase, tracked.decode_started = "decode", now
             return self._drain_prefill(now)
         tracked.phase, tracked.worker_id = "awaiting_decode", None
         self._decode_wait.append(done.request_id)
@@ -375,14 +416,15 @@ class SchedulerCore:
             if worker is None:
                 break
             self._decode_wait.pop(0)
-            actions.append(self._place_decode(tracked, worker))
+            actions.append(self._place_decode(tracked, worker, now))
         return actions
 
-    def _place_decode(self, tracked: Tracked, worker: WorkerState) -> Dispatch:
+    def _place_decode(self, tracked: Tracked, worker: WorkerState, now: float) -> Dispatch:
         done = tracked.prefill
         assert done is not None
         worker.assign(tracked.spec.request_id, tracked.decode_tokens)
         tracked.phase, tracked.worker_id = "decode", worker.worker_id
+        tracked.decode_started = now
         tracked.attempts += 1
         task = DecodeTask(spec=tracked.spec, handle=done.handle, first_token=done.first_token, usage=done.usage)
         return Dispatch(worker.worker_id, task)
@@ -466,6 +508,7 @@ class SchedulerCore:
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
             return
+        self._decode_demand -= tracked.decode_tokens
         self._capacity_changed()
         if tracked.worker_id is not None and tracked.worker_id in self.workers:
             self.workers[tracked.worker_id].release(request_id)

@@ -68,6 +68,7 @@ class Tracked:
     virtual_start: float | None = None  # its place in the tenants' fair queue
     local: bool = False  # prefilled by the worker that decodes it (no handoff)
     prefill: PrefillDone | None = None  # set once prefill is done, for decode (re)placement
+    decode_started: float | None = None  # when its decode was placed, to learn decode durations
 
     @property
     def prompt_tokens(self) -> int:

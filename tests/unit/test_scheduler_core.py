@@ -133,6 +133,44 @@ def cluster(h: Harness, prefill: dict[str, int], decode: dict[str, int]) -> None
 # --- admission ---------------------------------------------------------------------------
 
 
+def test_decode_admission_refuses_up_front_what_decode_cannot_hold_in_time() -> None:
+    # One decode worker holding 1,000 KV tokens, at most 1.5x claimed in flight: each request
+    # claims 100 prompt + 200 max_tokens = 300, so five fit (1,500) and the sixth is a 429.
+    h = Harness(decode_overcommit=1.5, default_decode_s=8.0)
+    cluster(h, {"p1": 100_000}, {"d1": 1000})
+    specs = [make_spec(f"r{i}", prompt_len=100, max_tokens=200) for i in range(6)]
+    for spec in specs[:5]:
+        h.admit(spec)
+    reply, actions = h.submit(specs[5])
+    assert isinstance(reply, Rejected) and reply.reason == "overloaded" and actions == []
+    assert "decode is full" in reply.message and reply.retry_after_s >= 1.0
+    # Room comes back when a request ends (here: one is cancelled), and the ledger follows.
+    h.core.on_cancel("r0", h.clock.now)
+    h.check()
+    h.admit(specs[5])
+
+
+def test_decode_admission_learns_how_long_a_decode_lasts_for_its_retry_after() -> None:
+    h = Harness(decode_overcommit=1.0, default_decode_s=1.0)
+    cluster(h, {"p1": 100_000}, {"d1": 1000})
+    first = make_spec("first", prompt_len=500, max_tokens=500)
+    h.admit(first)
+    assert dispatched(h.event(prefill_done(first, "p1")), DecodeTask) == [("first", "d1")]
+    h.clock.advance(100.0)  # a slow decode: the estimate moves from 1 s towards 100 s
+    h.event(request_finished(first, "d1"))
+    h.admit(make_spec("a", prompt_len=500, max_tokens=500))
+    reply, _ = h.submit(make_spec("b", prompt_len=500, max_tokens=500))
+    assert isinstance(reply, Rejected) and reply.retry_after_s > 5.0
+
+
+def test_an_idle_decode_fleet_takes_one_request_larger_than_its_capacity() -> None:
+    h = Harness(decode_overcommit=1.0)
+    cluster(h, {"p1": 100_000}, {"d1": 100})
+    h.admit(make_spec("huge", prompt_len=500, max_tokens=500))  # runs alone, as an oversized prompt does
+    reply, _ = h.submit(make_spec("next", prompt_len=10, max_tokens=10))
+    assert isinstance(reply, Rejected)
+
+
 def test_submit_with_no_workers_is_rejected() -> None:
     h = Harness()
     spec = make_spec("r1")
@@ -334,7 +372,7 @@ def test_request_finished_frees_decode_capacity() -> None:
 
 
 def test_decode_larger_than_the_budget_runs_alone_on_an_idle_decode_worker() -> None:
-    h = Harness()
+    h = Harness(decode_overcommit=100.0)  # admission aside: this is about placement
     cluster(h, {"p1": 10_000}, {"d1": 10})
     big, small = make_spec("big", prompt_len=30), make_spec("small", prompt_len=1, max_tokens=1)
     h.admit(big)
