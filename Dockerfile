@@ -1,5 +1,6 @@
 # One image for every Switchyard service on a GPU host (compose.yaml picks the role by command):
-# vLLM's CUDA build, LMCache and Mooncake (whose master and segment commands compose runs too).
+# vLLM's CUDA build, LMCache and Mooncake (whose master and segment commands compose runs too),
+# and the OTLP span exporter (compose sends every service's traces to its collector).
 FROM python:3.11-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libibverbs1 libnl-3-200 libnl-route-3-200 \
@@ -14,6 +15,6 @@ COPY ingress ingress
 COPY observability observability
 COPY switchyard switchyard
 COPY bench bench
-RUN pip install --no-cache-dir '.[vllm,kv]'
+RUN pip install --no-cache-dir '.[vllm,kv,otlp]'
 ENTRYPOINT []
 CMD ["switchyard", "up", "--host", "0.0.0.0"]

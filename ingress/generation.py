@@ -261,11 +261,12 @@ class Generation:
         m.in_flight.dec()
         m.requests.labels(outcome=outcome).inc()
         usage = self.sequencer.usage
+        tenant = m.tenant_label(self.spec.tenant)
         if usage is not None:
             m.queue_time.observe(usage.queued_s)
-            m.prompt_tokens.inc(usage.prompt_tokens)
-            m.cached_tokens.inc(usage.cached_tokens)
-        m.generation_tokens.inc(self.assembler.tokens)
+            m.prompt_tokens.labels(tenant).inc(usage.prompt_tokens)
+            m.cached_tokens.labels(tenant).inc(usage.cached_tokens)
+        m.generation_tokens.labels(tenant).inc(self.assembler.tokens)
         if self.first_token_at is not None:
             m.ttft.observe(self.first_token_at - self.arrived)
             if self.assembler.tokens > 1 and self.last_token_at is not None:

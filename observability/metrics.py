@@ -13,12 +13,17 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Tenants are the operator's, but every new label value is a new series in Prometheus for as
+# long as the process lives: the first MAX_TENANT_LABELS tenants keep their own label and the
+# rest share OTHER_TENANTS, which no tenant name can spell (tenants are [A-Za-z0-9._-]).
+MAX_TENANT_LABELS = 100
+OTHER_TENANTS = "(other)"
 
 
 class ServingMetrics:
     """What platform teams judge us by: TTFT, TPOT, queue time, tokens and cache hits."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, max_tenants: int = MAX_TENANT_LABELS) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -39,11 +44,19 @@ class ServingMetrics:
             registry=r,
             buckets=_LATENCY_BUCKETS,
         )
-        self.prompt_tokens = Counter("switchyard_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.cached_tokens = Counter(
-            "switchyard_cached_tokens", "Prompt tokens served from a KV cache instead of computed.", registry=r
+        # By tenant, bounded: see tenant_label.
+        self.max_tenants = max_tenants
+        self._tenants: set[str] = set()
+        self.prompt_tokens = Counter(
+            "switchyard_prompt_tokens", "Prompt tokens of finished requests.", ["tenant"], registry=r
         )
-        self.generation_tokens = Counter("switchyard_generation_tokens", "Output tokens sent.", registry=r)
+        self.cached_tokens = Counter(
+            "switchyard_cached_tokens",
+            "Prompt tokens served from a KV cache instead of computed.",
+            ["tenant"],
+            registry=r,
+        )
+        self.generation_tokens = Counter("switchyard_generation_tokens", "Output tokens sent.", ["tenant"], registry=r)
         self.requests = Counter("switchyard_requests", "Requests by outcome.", ["outcome"], registry=r)
         self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.", registry=r)
         self.bus_dropped = Gauge(
@@ -80,6 +93,15 @@ class ServingMetrics:
             workers,
             registry=r,
         )
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` as the value of a ``tenant`` label: itself while the label set has room."""
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) < self.max_tenants:
+            self._tenants.add(tenant)
+            return tenant
+        return OTHER_TENANTS
 
     def set_workers(self, summaries: Iterable[WorkerSummary]) -> None:
         """Replace the per-worker gauges with ``ClusterStatus.workers``."""

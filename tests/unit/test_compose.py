@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,153 @@ def test_the_switchyard_image_is_built(services):
 def test_a_bad_command_is_rejected(bad):
     with pytest.raises(pytest.fail.Exception, match="switchyard rejects"):
         parse_command(bad)
+
+
+# --- what an operator sees: Prometheus, Grafana, the trace collector ----------------------------
+
+ROOT = COMPOSE.parent
+
+
+def mounts(svc: dict) -> dict[str, str]:
+    """Container path -> what is mounted there (a path in this repository, or a volume's name)."""
+    found = {}
+    for entry in svc.get("volumes", []):
+        if isinstance(entry, dict):
+            source, target = str(entry.get("source", "")), str(entry["target"])
+        else:
+            source, target = str(entry).split(":")[:2]
+        found[target] = str((ROOT / source).resolve()) if source.startswith(".") else source
+    return found
+
+
+def mounted_file(svc: dict, container_path: str) -> Path:
+    """The repository file a service sees at ``container_path`` (mounted itself or in a folder;
+    the deepest mount wins, as in the container)."""
+    for target, source in sorted(mounts(svc).items(), key=lambda m: -len(m[0])):
+        if container_path == target or container_path.startswith(target.rstrip("/") + "/"):
+            path = Path(source) / Path(container_path).relative_to(target)
+            assert path.is_relative_to(ROOT), f"{container_path} is mounted from {source}, not from this repository"
+            assert path.exists(), f"{container_path} is mounted from {path}, which does not exist"
+            return path
+    pytest.fail(f"nothing is mounted at {container_path}: {svc.get('volumes')}")
+
+
+def flag_value(command: list[str], flag: str) -> str:
+    return next(a.split("=", 1)[1] for a in command if a.startswith(flag + "="))
+
+
+def load_yaml(path: Path) -> dict:
+    with path.open(encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture(scope="module")
+def prometheus(services: dict[str, dict]) -> dict:
+    svc = services["prometheus"]
+    return load_yaml(mounted_file(svc, flag_value(svc["command"], "--config.file")))
+
+
+def scrape_targets(prometheus: dict) -> dict[str, set[tuple[str, int]]]:
+    """Job -> (host, port) it scrapes at /metrics, from static targets or DNS names."""
+    jobs: dict[str, set[tuple[str, int]]] = {}
+    for job in prometheus["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics", job
+        targets = jobs.setdefault(job["job_name"], set())
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                targets.add((host, int(port)))
+        for dns in job.get("dns_sd_configs", []):
+            assert dns.get("type", "SRV") == "A", "compose's DNS answers A records"
+            targets |= {(name, int(dns["port"])) for name in dns["names"]}
+    return jobs
+
+
+def test_prometheus_scrapes_the_ingress_port(services, prometheus):
+    ingress = parse_command(services["ingress"]["command"]).config
+    scraped = set().union(*scrape_targets(prometheus).values())
+    assert ("ingress", ingress.port) in scraped, scraped
+
+
+def test_prometheus_scrapes_mooncake_and_nats(services, prometheus):
+    scraped = set().union(*scrape_targets(prometheus).values())
+    master = int(flag_value(services["mooncake-master"]["command"], "--metrics_port"))
+    assert ("mooncake-master", master) in scraped, scraped
+    exporter = services["nats-exporter"]
+    monitor = services[NATS_SERVICE]["command"]
+    assert f"http://{NATS_SERVICE}:{monitor[monitor.index('-m') + 1]}" in exporter["command"]
+    assert ("nats-exporter", 7777) in scraped, scraped  # the exporter's default port
+
+
+def test_every_scrape_target_is_a_service(services, prometheus):
+    for job, targets in scrape_targets(prometheus).items():
+        for host, _ in targets:
+            assert host in services or (host, job) == ("localhost", "prometheus"), (job, host)
+
+
+@pytest.fixture(scope="module")
+def grafana(services: dict[str, dict]) -> dict:
+    return services["grafana"]
+
+
+def test_grafana_provisions_its_datasources_and_the_dashboard(services, grafana):
+    provisioning = mounted_file(grafana, "/etc/grafana/provisioning")
+    datasources = [
+        ds for f in sorted((provisioning / "datasources").glob("*.yaml")) for ds in load_yaml(f)["datasources"]
+    ]
+    prometheus = next(ds for ds in datasources if ds["type"] == "prometheus")
+    url = urlsplit(prometheus["url"])
+    assert url.hostname == "prometheus" and "prometheus" in services, prometheus
+    assert url.port == 9090 and "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
+    for ds in datasources:
+        assert urlsplit(ds["url"]).hostname in services, ds
+    providers = [p for f in sorted((provisioning / "dashboards").glob("*.yaml")) for p in load_yaml(f)["providers"]]
+    dashboards = [d for p in providers for d in mounted_file(grafana, p["options"]["path"]).glob("*.json")]
+    assert {d.name for d in dashboards} == {"switchyard.json"}, dashboards
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert mounted_file(grafana, home) == dashboards[0]
+
+
+def test_every_dashboard_panel_names_a_provisioned_datasource(grafana):
+    provisioning = mounted_file(grafana, "/etc/grafana/provisioning")
+    uids = {ds["uid"] for f in (provisioning / "datasources").glob("*.yaml") for ds in load_yaml(f)["datasources"]}
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "switchyard.json").read_text())
+    # A panel names a provisioned uid, or a data source variable whose default is one.
+    variables = {
+        f"${{{v['name']}}}": v["current"]["value"] for v in dashboard["templating"]["list"] if v["type"] == "datasource"
+    }
+    queried = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert queried
+    for panel in queried:
+        refs = [panel["datasource"], *(t["datasource"] for t in panel["targets"])]
+        assert all(variables.get(ref["uid"], ref["uid"]) in uids for ref in refs), (panel["title"], refs, uids)
+
+
+def test_every_switchyard_service_sends_its_traces_to_the_collector(services):
+    collector = services["otel-collector"]
+    config = load_yaml(mounted_file(collector, flag_value(collector["command"], "--config")))
+    receiver = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    assert receiver.startswith("0.0.0.0:"), "the collector must listen beyond its own container"
+    assert "otlp" in config["service"]["pipelines"]["traces"]["receivers"]
+    for name, command in switchyard_services(services).items():
+        env = {k: str(v) for k, v in services[name].get("environment", {}).items()}
+        args = cli.build_parser().parse_args(command[1:])
+        process = settings.resolve(settings.ProcessConfig, cli.sources_of(args, env=env), args.command).config
+        assert process.trace_exporter == "otlp", name
+        endpoint = urlsplit(env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
+        assert (endpoint.scheme, endpoint.hostname) == ("http", "otel-collector"), (name, endpoint)
+        assert str(endpoint.port) == receiver.rsplit(":", 1)[1], (name, endpoint, receiver)
+
+
+def test_the_image_has_the_otlp_exporter():
+    # --trace-exporter otlp fails at start without the `otlp` extra (observability/tracing.py).
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    install = next(line for line in dockerfile.splitlines() if "pip install" in line and "'.[" in line)
+    extras = install.split("'.[", 1)[1].split("]", 1)[0].split(",")
+    assert "otlp" in extras, install
+
+
+def test_the_operator_pages_listen_on_loopback_only(services):
+    for name in ("prometheus", "grafana", "jaeger"):
+        for entry in services[name].get("ports", []):
+            assert str(entry).startswith("127.0.0.1:"), (name, entry)
