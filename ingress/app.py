@@ -72,6 +72,9 @@ PRIORITY_HEADER = "x-switchyard-priority"  # interactive (default), batch, or 0-
 DEADLINE_HEADER = "x-switchyard-deadline-s"  # first token due within this many seconds
 _PRIORITIES = {"interactive": 0, "batch": 1}
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# A session id reaches the scheduler's logs and (hashed) its KV key: bounded, printable.
+SESSION_MAX_BYTES = 256
+_SESSION_RE = re.compile(r"[\x20-\x7e]+")
 
 
 class Ingress:
@@ -243,7 +246,7 @@ class Ingress:
             prompt,
             max_tokens,
             tenant,
-            request.headers.get(SESSION_HEADER),
+            _session(request.headers.get(SESSION_HEADER)),
             _priority(request.headers.get(PRIORITY_HEADER)),
             _deadline(request.headers.get(DEADLINE_HEADER)),
         )
@@ -339,6 +342,16 @@ class Ingress:
                 raise InvalidRequest(message)
             case other:
                 raise ApiError(f"unexpected scheduler reply {type(other).__name__}")
+
+
+def _session(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not 0 < len(value) <= SESSION_MAX_BYTES:  # header values arrive as latin-1: a character is a byte
+        raise InvalidRequest(f"Header {SESSION_HEADER} is {len(value)} bytes; it must be 1 to {SESSION_MAX_BYTES}.")
+    if not _SESSION_RE.fullmatch(value):
+        raise InvalidRequest(f"Header {SESSION_HEADER} must be printable ASCII.")
+    return value
 
 
 def _priority(value: str | None) -> int:

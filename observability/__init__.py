@@ -4,8 +4,18 @@ if __name__ != "switchyard.observability":  # one module, one name: the wheel in
     raise ImportError(f"import switchyard.observability, not {__name__}")
 
 from switchyard.observability import tracing
-from switchyard.observability.bus import BusStats, connect, decoded, subscribe
+from switchyard.observability.bus import BusClosedError, BusStats, connect, decoded, subscribe
 from switchyard.observability.metrics import CONTENT_TYPE, ServingMetrics
 from switchyard.observability.tracing import TracingError
 
-__all__ = ["CONTENT_TYPE", "BusStats", "ServingMetrics", "TracingError", "connect", "decoded", "subscribe", "tracing"]
+__all__ = [
+    "CONTENT_TYPE",
+    "BusClosedError",
+    "BusStats",
+    "ServingMetrics",
+    "TracingError",
+    "connect",
+    "decoded",
+    "subscribe",
+    "tracing",
+]

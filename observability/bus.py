@@ -5,6 +5,15 @@ every subscription here is created with explicit pending limits, and every drop 
 counted (``BusStats.dropped``) and logged instead of vanishing in a callback.
 Subscriptions are consumed by the caller's own task (``async for msg in
 sub.messages``), never by callbacks whose errors would disappear.
+
+The connection is watched. A server that goes away (killed, restarted) is reconnected
+to forever, subscriptions kept. But nats-py never reconnects after a close the server
+initiated (a protocol line over ``max_control_line``, a permissions or auth error):
+its subscriptions' readers then just end, and a process would live on with a dead
+connection, which no supervisor restarts. So such a close cancels the body of
+``connect`` and raises ``BusClosedError`` out of it, and out of the service's
+``run()``: the process exits non-zero and ``switchyard up`` (or any process manager)
+starts it again on a fresh connection.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import SlowConsumerError
 
+from switchyard.schemas import SwitchyardError
+
 log = logging.getLogger(__name__)
 
 PENDING_MSGS = 65_536
@@ -37,6 +48,15 @@ class Decodes(Protocol[T_co]):
     def decode(self, data: bytes) -> T_co: ...
 
 
+class BusClosedError(SwitchyardError):
+    """The NATS server closed this connection for good: nats-py will not reconnect."""
+
+    def __init__(self, name: str, reason: Exception | None) -> None:
+        super().__init__(f"{name}: the NATS connection was closed by the server ({reason!r}); not reconnecting")
+        self.name = name
+        self.reason = reason
+
+
 @dataclass
 class BusStats:
     dropped: int = 0  # messages a slow subscription lost
@@ -45,8 +65,11 @@ class BusStats:
 
 @asynccontextmanager
 async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIterator[Client]:
-    """A connection that reconnects forever; flushed and closed on exit (shielded)."""
+    """A connection that reconnects forever to a server that went away, and raises
+    ``BusClosedError`` out of the block if the server closes it; flushed and closed on
+    exit (shielded)."""
     stats = stats if stats is not None else BusStats()
+    watch = _Watch(name)
 
     async def on_error(exc: Exception) -> None:
         if isinstance(exc, SlowConsumerError):
@@ -58,11 +81,22 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
             log.warning("%s: NATS error: %r", name, exc)
 
     nc = await nats.connect(
-        url, name=name, error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.2, connect_timeout=5
+        url,
+        name=name,
+        error_cb=on_error,
+        disconnected_cb=watch.disconnected,
+        reconnected_cb=watch.reconnected,
+        closed_cb=watch.closed,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+        connect_timeout=5,
     )
+    watch.nc = nc
     try:
-        yield nc
+        with watch.scope:
+            yield nc
     finally:
+        watch.closing = True  # our own close below is no loss
         # Flush what we published, then close. Not drain(): our subscription readers
         # are already cancelled, so drain would wait on their pending queues forever.
         with anyio.move_on_after(5, shield=True):
@@ -70,6 +104,34 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
                 with anyio.move_on_after(2):
                     await nc.flush()
             await nc.close()
+    if watch.lost is not None:
+        raise watch.lost
+
+
+class _Watch:
+    """nats-py's connection callbacks, turned into log lines and, for a close we did not
+    ask for, the cancellation of the ``connect`` block (``scope``) and the error it raises."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.scope = anyio.CancelScope()
+        self.nc: Client | None = None
+        self.closing = False
+        self.lost: BusClosedError | None = None
+
+    async def disconnected(self) -> None:
+        if not self.closing and self.nc is not None and not self.nc.is_closed:  # else closed() says it
+            log.warning("%s: disconnected from NATS; reconnecting", self.name)
+
+    async def reconnected(self) -> None:
+        log.info("%s: reconnected to NATS", self.name)
+
+    async def closed(self) -> None:
+        if self.closing:
+            return
+        self.lost = BusClosedError(self.name, self.nc.last_error if self.nc is not None else None)
+        log.error("%s", self.lost)
+        self.scope.cancel()
 
 
 async def decoded(sub: Subscription, codec: Decodes[T_co], what: str) -> AsyncIterator[tuple[Msg, T_co]]:

@@ -67,6 +67,11 @@ _NO_RESPONDERS = "503"
 _SNAPSHOT_QUEUE = 4096
 
 
+def _brief(session: str) -> str:
+    """A session id fit for a log line: sessions come from clients, at any length."""
+    return repr(session) if len(session) <= 64 else f"{session[:64]!r}... ({len(session)} characters)"
+
+
 @dataclass(frozen=True, slots=True)
 class _PendingAck:
     worker_id: str
@@ -88,7 +93,7 @@ class SchedulerService:
         self._nc: Client | None = None
         self._snapshots_send, self._snapshots_receive = anyio.create_memory_object_stream[str](_SNAPSHOT_QUEUE)
         self._bindings_send, self._bindings_receive = anyio.create_memory_object_stream[Binding](_SNAPSHOT_QUEUE)
-        self._sessions = SessionStore(None)
+        self._sessions = SessionStore.disabled()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with connect(self.config.nats_url, self.scheduler_id, self.stats) as nc:
@@ -231,14 +236,25 @@ class SchedulerService:
         try:
             self._bindings_send.send_nowait(binding)
         except anyio.WouldBlock:
-            log.warning("session writer behind: binding of %s not persisted", binding.session)
+            log.warning("session writer behind: binding of %s not persisted", _brief(binding.session))
 
     async def _persist_sessions(self) -> None:
         async for binding in self._bindings_receive:
-            try:
-                await self._sessions.put(binding, self._clock())
-            except Exception as exc:  # a JetStream hiccup must not stop the scheduler
-                log.warning("could not persist the binding of %s: %s", binding.session, exc)
+            await self._persist(binding)
+
+    async def _persist(self, binding: Binding) -> None:
+        if await self._put(binding):  # the bucket was lost (NATS restarted without its store)
+            live = self.core.sessions.live(self._clock())
+            log.info("session bucket created again; writing back the %d bindings held here", len(live))
+            for held in live:
+                await self._put(held)
+
+    async def _put(self, binding: Binding) -> bool:
+        try:
+            return await self._sessions.put(binding, self._clock())
+        except Exception as exc:  # a JetStream hiccup must not stop the scheduler
+            log.warning("could not persist the binding of %s: %s", _brief(binding.session), exc)
+            return False
 
     async def _queue_snapshot(self, worker_id: str) -> None:
         """Hand the request to a fetcher without waiting; if none can take it, it failed."""

@@ -42,6 +42,9 @@ class SessionTable:
             del self._bindings[next(iter(self._bindings))]
         return binding
 
+    def live(self, now: float) -> list[Binding]:
+        return [b for b in self._bindings.values() if b.expires_at > now]
+
     def restore(self, binding: Binding, now: float) -> None:
         if binding.expires_at > now:
             self._bindings[(binding.tenant, binding.session)] = binding

@@ -20,6 +20,7 @@ SwitchyardError
 ├── WorkerError                       switchyard.workers.errors
 │   └── EngineError                   an engine failed a request, or one of its own tasks died
 ├── TracingError                      switchyard.observability.tracing: an exporter this install lacks
+├── BusClosedError                    switchyard.observability.bus: the NATS server closed a connection for good
 ├── ConfigError (+ ValueError)        switchyard.settings: a setting that cannot be used (name, source, why)
 ├── ProcessError                      switchyard.procs: a child process did not start or get ready
 ├── TraceError (+ ValueError)         switchyard.bench.traces: a benchmark trace that cannot be read

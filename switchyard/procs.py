@@ -102,15 +102,24 @@ class NatsServer:
     process: subprocess.Popen
 
 
+def nats_server_command(host: str, port: int, store_dir: str | None) -> list[str]:
+    """nats-server on ``host:port``; with JetStream, storing in ``store_dir``, when one is given.
+    The same port and store make a restarted server the same server to its clients: they
+    reconnect, and the JetStream streams and buckets are still there."""
+    args = [str(nats_server_binary()), "-a", host, "-p", str(port)]
+    return [*args, "-js", "-sd", store_dir] if store_dir is not None else args
+
+
 @contextmanager
-def nats_server(port: int = 0, jetstream: bool = True, host: str = "127.0.0.1") -> Iterator[NatsServer]:
-    """A private nats-server on loopback, stopped (and its store removed) on exit."""
+def nats_server(
+    port: int = 0, jetstream: bool = True, host: str = "127.0.0.1", store_dir: str | None = None
+) -> Iterator[NatsServer]:
+    """A private nats-server on loopback, stopped on exit; its JetStream store is a fresh
+    temporary folder (removed on exit) unless ``store_dir`` names one."""
     port = port or free_port(host)
-    with tempfile.TemporaryDirectory(prefix="switchyard-nats-") as store:
-        args = [str(nats_server_binary()), "-a", host, "-p", str(port)]
-        if jetstream:
-            args += ["-js", "-sd", store]
-        proc = spawn(args, stdout=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="switchyard-nats-") as scratch:
+        store = (store_dir or scratch) if jetstream else None
+        proc = spawn(nats_server_command(host, port, store), stdout=subprocess.DEVNULL)
         try:
             wait_for_port(host, port, 10.0, proc)
             yield NatsServer(url=f"nats://{host}:{port}", port=port, process=proc)

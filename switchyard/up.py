@@ -11,7 +11,11 @@ printed. Ctrl-C or SIGTERM stops the children in order (ingress first, NATS last
 A child that dies on its own is started again (after 1 s, then 2, 4, up to 10 s), as a
 cluster's process manager would: a restarted scheduler re-registers every worker by
 roll call and rebuilds its prefix index from their snapshots and its session bindings
-from JetStream; a restarted worker registers afresh. Past ``--max-restarts`` crashes of
+from JetStream; a restarted worker registers afresh. The private nats-server is such a
+child too: it comes back on the same port with the same JetStream store, so the services
+reconnect on their own (nats-py does, after a server went away) and the session bucket
+is still there. A service whose connection the server closed for good exits instead
+(``observability.bus``), and is restarted. Past ``--max-restarts`` crashes of
 one child within ``--restart-window-s`` the stack stops with a non-zero exit (crashes
 spread over days never add up); ``--max-restarts 0`` stops it at the first.
 """
@@ -185,6 +189,17 @@ def _start_mooncake(p: Plan, stack: ExitStack, children: list[_Child]) -> Plan:
     return with_mooncake(p, ports.master_address, ports.metadata_server, disk_dir)
 
 
+def _start_nats(stack: ExitStack, children: list[_Child]) -> str:
+    """The private nats-server, the first child (so the last stopped), supervised like the
+    others; its port and JetStream store stay the same across restarts."""
+    host, port = "127.0.0.1", procs.free_port()
+    store = stack.enter_context(tempfile.TemporaryDirectory(prefix="switchyard-nats-"))
+    child = _Child("nats-server", procs.nats_server_command(host, port, store), procs.child_env(), subprocess.DEVNULL)
+    children.append(child)
+    procs.wait_for_port(host, port, 10.0, child.process)
+    return f"nats://{host}:{port}"
+
+
 def up(p: Plan) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         raise _Stop(signal.Signals(signum).name)
@@ -194,8 +209,8 @@ def up(p: Plan) -> int:
     children: list[_Child] = []
     try:
         with ExitStack() as stack:
-            nats_url = p.up.nats or stack.enter_context(procs.nats_server()).url
-            stack.callback(_stop_children, children)  # runs before NATS stops
+            nats_url = p.up.nats or _start_nats(stack, children)
+            stack.callback(_stop_children, children)  # runs before the NATS store is removed
             if _needs_mooncake(p):
                 p = _start_mooncake(p, stack, children)
             for child in p.children:
@@ -221,6 +236,7 @@ class _Child:
     name: str
     command: list[str]
     env: dict[str, str]
+    stdout: int | None = None  # where its output goes (None: up's own)
     process: subprocess.Popen[bytes] = field(init=False)
     crashes: deque[float] = field(default_factory=deque)  # monotonic times, within the window
     restart_at: float | None = None  # monotonic time of a pending restart
@@ -229,7 +245,7 @@ class _Child:
         self.start()
 
     def start(self) -> None:
-        self.process = procs.spawn(self.command, env=self.env)
+        self.process = procs.spawn(self.command, env=self.env, stdout=self.stdout)
         self.restart_at = None
 
     def crashed(self, now: float, window_s: float) -> int:

@@ -1,0 +1,118 @@
+"""``switchyard up`` under bus faults, through the real HTTP API: a client-supplied session
+header of any length takes nothing down, and a killed nats-server is restarted on its port
+with its JetStream store, the services reconnecting to it without a restart of their own."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import httpx
+import msgspec
+import nats
+import openai
+import psutil
+import pytest
+
+from switchyard import procs
+from switchyard.scheduler.session_store import BUCKET, session_key
+
+SESSION = "x-session-affinity"
+
+
+@dataclass
+class Up:
+    port: int
+    process: psutil.Popen
+    log: Path
+
+    def child(self, word: str) -> psutil.Process:
+        return next(p for p in self.process.children(recursive=True) if word in " ".join(p.cmdline()))
+
+    def complete(self, headers: dict[str, str] | None = None) -> int:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0, timeout=5)
+        reply = client.chat.completions.create(
+            model="switchyard-sim",
+            max_tokens=3,
+            messages=[{"role": "user", "content": "still there?"}],
+            extra_headers=headers,
+        )
+        assert reply.usage is not None
+        return reply.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory) -> Iterator[Up]:
+    port = procs.free_port()
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    command = procs.service_command("up", "--port", str(port), "--log-level", "warning", "--report-interval-s", "0.2")
+    with log.open("w") as out:
+        process = psutil.Popen(command, env=procs.child_env(), stdout=out, stderr=out, start_new_session=True)
+    stack = Up(port, process, log)
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(port):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield stack
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_long_session_headers_are_refused_and_take_nothing_down(up: Up):
+    scheduler = up.child("switchyard scheduler").pid
+    with pytest.raises(openai.BadRequestError) as refused:
+        up.complete({SESSION: "s" * 2_100})
+    assert SESSION in refused.value.message and "256" in refused.value.message
+    with pytest.raises(openai.APIStatusError) as huge:  # refused by us, or by the HTTP server first
+        up.complete({SESSION: "s" * 100_000})
+    assert 400 <= huge.value.status_code < 500
+    assert up.complete({SESSION: "s" * 256}) == 3  # the longest allowed
+    assert up.complete() == 3
+    assert up.child("switchyard scheduler").pid == scheduler
+    assert "scheduler exited" not in up.log.read_text()
+
+
+def test_a_killed_nats_server_comes_back_and_the_stack_serves_again(up: Up):
+    session = {SESSION: "agent-7"}
+    assert up.complete(session) == 3
+    scheduler = up.child("switchyard scheduler").pid
+    victim = up.child("nats-server")
+    nats_port = victim.cmdline()[victim.cmdline().index("-p") + 1]
+    victim.kill()
+    killed, served = time.monotonic(), False
+    while not served and time.monotonic() - killed < 15:
+        try:
+            served = up.complete(session) == 3
+        except openai.APIError:
+            time.sleep(0.2)
+    assert served, up.log.read_text()
+    revived = up.child("nats-server")
+    assert revived.pid != victim.pid and revived.cmdline()[revived.cmdline().index("-p") + 1] == nats_port
+    assert up.child("switchyard scheduler").pid == scheduler  # reconnected, not restarted
+    assert _bound_worker(f"nats://127.0.0.1:{nats_port}", "default", "agent-7").startswith("prefill-")
+    assert up.complete(session) == 3
+
+
+def _bound_worker(url: str, tenant: str, session: str) -> str:
+    """The worker the session bucket binds a session to: the bucket survived the restart."""
+
+    async def read() -> str:
+        async with await nats.connect(url) as nc:
+            kv = await nc.jetstream().key_value(BUCKET)
+            entry = await kv.get(session_key(tenant, session))
+            assert entry.value is not None
+            return str(msgspec.msgpack.decode(entry.value)["worker_id"])
+
+    return anyio.run(read)
