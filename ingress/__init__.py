@@ -7,11 +7,28 @@ from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.tokenizer import ModelTokenizer, TokenizerError
 
 if TYPE_CHECKING:
+    from switchyard.ingress.auth import KeyRecord, KeyStore, KeyStoreError, Limits
     from switchyard.ingress.service import IngressService
 
-_LAZY = {"IngressService": "switchyard.ingress.service"}
+_AUTH = "switchyard.ingress.auth"
+_LAZY = {
+    "IngressService": "switchyard.ingress.service",
+    "KeyRecord": _AUTH,
+    "KeyStore": _AUTH,
+    "KeyStoreError": _AUTH,
+    "Limits": _AUTH,
+}
 
-__all__ = ["IngressConfig", "IngressService", "ModelTokenizer", "TokenizerError"]
+__all__ = [
+    "IngressConfig",
+    "IngressService",
+    "KeyRecord",
+    "KeyStore",
+    "KeyStoreError",
+    "Limits",
+    "ModelTokenizer",
+    "TokenizerError",
+]
 
 
 def __getattr__(name: str) -> Any:

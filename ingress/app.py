@@ -23,10 +23,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from switchyard.ingress.auth import AuthMiddleware, Gate, caller_of
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.errors import (
     ApiError,
@@ -66,12 +68,10 @@ from switchyard.schemas import (
 
 log = logging.getLogger(__name__)
 
-TENANT_HEADER = "x-switchyard-tenant"
 SESSION_HEADER = "x-session-affinity"
 PRIORITY_HEADER = "x-switchyard-priority"  # interactive (default), batch, or 0-9
 DEADLINE_HEADER = "x-switchyard-deadline-s"  # first token due within this many seconds
 _PRIORITIES = {"interactive": 0, "batch": 1}
-_TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # A session id reaches the scheduler's logs and (hashed) its KV key: bounded, printable.
 SESSION_MAX_BYTES = 256
 _SESSION_RE = re.compile(r"[\x20-\x7e]+")
@@ -86,6 +86,7 @@ class Ingress:
         router: StreamRouter,
         metrics: ServingMetrics,
         bus_stats: BusStats,
+        gate: Gate,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -108,6 +109,8 @@ class Ingress:
             # Exception: Starlette's outermost middleware answers with it, then re-raises
             # for the server to log; the client never sees a plain-text 500.
             exception_handlers=_HANDLERS,
+            # The caller and its tenant are decided there, before a body is read (ingress.auth).
+            middleware=[Middleware(AuthMiddleware, gate=gate)],
         )
 
     # --- endpoints --------------------------------------------------------------------------
@@ -237,15 +240,14 @@ class Ingress:
     async def _generate(
         self, request: Request, kind: Kind, body: Any, prompt: list[int], max_tokens: int
     ) -> Response | Generation:
-        tenant = request.headers.get(TENANT_HEADER, "default")
-        if not _TENANT_RE.match(tenant):
-            raise InvalidRequest(f"Header {TENANT_HEADER} must match {_TENANT_RE.pattern}.")
+        caller = caller_of(request)  # the tenant is its key's, never a client's say (ingress.auth)
+        ticket = caller.admit(len(prompt) + max_tokens)  # 429 past its key's limits
         spec = self._spec(
             kind,
             body,
             prompt,
             max_tokens,
-            tenant,
+            caller.tenant,
             _session(request.headers.get(SESSION_HEADER)),
             _priority(request.headers.get(PRIORITY_HEADER)),
             _deadline(request.headers.get(DEADLINE_HEADER)),
@@ -269,6 +271,7 @@ class Ingress:
                 span=span,
                 arrived=time.monotonic(),
             )
+            ticket.measure(lambda: len(prompt) + generation.assembler.tokens)  # refunds unused max_tokens
         except BaseException as exc:  # the Generation owns the route and the span only once returned
             self._abandon(spec.request_id, span, exc)
             raise

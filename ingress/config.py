@@ -32,9 +32,21 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
         float, setting("a request whose stream stays silent this long fails instead of hanging", gt=0)
     ] = 60.0
     trace_exporter: Annotated[Literal["none", "console", "otlp"], setting("where spans go")] = "none"
+    # Who may call, and as which tenant (ingress.auth). "none" keeps the embedded stack usable
+    # without a key, and says so loudly at start; x-switchyard-tenant is refused there.
+    auth: Annotated[
+        Literal["none", "keys", "proxy"],
+        setting(
+            "none: no keys, every client is tenant 'default'; keys: API keys from --keys-file; "
+            "proxy: no keys, x-switchyard-tenant trusted from anyone (only behind a proxy that sets it)"
+        ),
+    ] = "none"
+    keys_file: Annotated[str, setting("--auth keys: the API keys file that `switchyard keys create` writes")] = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         from switchyard.kvbus import KeyScheme
 
         KeyScheme(self.key_scheme, self.hash_seed)  # raises on a hash seed the scheme cannot take
+        if self.auth == "keys" and not self.keys_file:
+            raise ValueError("auth: keys needs a keys file (--keys-file FILE, made by `switchyard keys create`)")

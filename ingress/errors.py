@@ -5,9 +5,12 @@ IngressError
 ├── StreamFailed                  (ingress.streams) a token stream ended in an error chunk
 ├── TokenizerError                (ingress.tokenizer) a model folder or template we cannot use
 ├── ServiceError                  (ingress.service) the ingress cannot start as configured
+├── KeyStoreError                 (ingress.auth) a keys file we cannot read or write
 └── ApiError                      status, type, code, param, message
     ├── InvalidRequest            400 invalid_request_error
     │   └── ContextLengthExceeded 400 code=context_length_exceeded
+    ├── Unauthorized              401 code=invalid_api_key (ingress.auth: no key, or not a live one)
+    ├── PermissionDenied          403 code=permission_denied (a right the key lacks)
     ├── ModelNotFound             404 code=model_not_found
     ├── RequestTooLarge           413
     ├── RateLimited               429 with Retry-After
@@ -65,6 +68,25 @@ class InvalidRequest(ApiError):
 class ContextLengthExceeded(InvalidRequest):
     def __init__(self, message: str, param: str = "messages") -> None:
         super().__init__(message, code="context_length_exceeded", param=param)
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": 'Bearer realm="switchyard"'}
+
+
+class PermissionDenied(ApiError):
+    status = 403
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="permission_denied")
 
 
 class ModelNotFound(ApiError):

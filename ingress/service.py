@@ -14,6 +14,7 @@ import uvicorn
 from anyio.abc import TaskStatus
 
 from switchyard.ingress.app import Ingress
+from switchyard.ingress.auth import Gate
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.errors import IngressError
 from switchyard.ingress.streams import StreamRouter
@@ -42,6 +43,7 @@ class IngressService:
             config = msgspec.structs.replace(config, ingress_id=f"ingress-{uuid.uuid4().hex[:8]}")
         self.config = config
         self.tokenizer = ModelTokenizer.load(Path(config.model_dir))
+        self.gate = Gate.for_config(config)  # here, so a bad keys file stops the start with a plain error
         self.metrics = metrics or ServingMetrics()
         self.router = StreamRouter()
         self.stats = BusStats()
@@ -51,7 +53,7 @@ class IngressService:
         cfg = self.config
         sock = _bind(cfg.host, cfg.port)
         async with connect(cfg.nats_url, cfg.ingress_id, self.stats) as nc:
-            ingress = Ingress(cfg, self.tokenizer, nc, self.router, self.metrics, self.stats)
+            ingress = Ingress(cfg, self.tokenizer, nc, self.router, self.metrics, self.stats, self.gate)
             server = _Server(
                 uvicorn.Config(
                     ingress.app,

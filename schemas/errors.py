@@ -8,6 +8,8 @@ SwitchyardError
 │   ├── ApiError                      an HTTP answer: status, OpenAI type, code, param
 │   │   ├── InvalidRequest            400
 │   │   │   └── ContextLengthExceeded 400 code=context_length_exceeded
+│   │   ├── Unauthorized              401 code=invalid_api_key
+│   │   ├── PermissionDenied          403 code=permission_denied
 │   │   ├── ModelNotFound             404
 │   │   ├── RequestTooLarge           413
 │   │   ├── RateLimited               429 with Retry-After
@@ -16,7 +18,8 @@ SwitchyardError
 │   │       └── DeadlineExceeded      504
 │   ├── StreamFailed                  switchyard.ingress.streams: a token stream ended in an error chunk
 │   ├── TokenizerError                switchyard.ingress.tokenizer: a model folder or chat template we cannot use
-│   └── ServiceError                  switchyard.ingress.service: the ingress cannot start as configured
+│   ├── ServiceError                  switchyard.ingress.service: the ingress cannot start as configured
+│   └── KeyStoreError                 switchyard.ingress.auth: a keys file we cannot read or write
 ├── WorkerError                       switchyard.workers.errors
 │   └── EngineError                   an engine failed a request, or one of its own tasks died
 ├── TracingError                      switchyard.observability.tracing: an exporter this install lacks

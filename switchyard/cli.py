@@ -5,6 +5,7 @@
     switchyard scheduler     admission and placement
     switchyard worker        a prefill or decode worker (--role, --engine)
     switchyard config show   the effective configuration of every service, and its sources
+    switchyard keys ...      API keys for --auth keys: create, list, revoke
     switchyard bench ...     benchmarks
 
 Every setting's flag is derived from its declaration on the config trees
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print every service's configuration as `up` would start it")
     add_command_flags(show, "up")
     show.add_argument("--json", action="store_true", help="the whole config trees, as JSON")
+
+    from switchyard import keys
+
+    keys.add_arguments(sub.add_parser("keys", help="API keys for --auth keys: create, list, revoke"))
 
     tiny = sub.add_parser("build-tiny-model", help="build the tiny Llama (seeded weights) that vLLM serves in tests")
     tiny.add_argument("directory", type=Path)
@@ -174,6 +179,10 @@ def _main(args: argparse.Namespace) -> int:
 
             print(show(up.plan(sources_of(args)), as_json=args.json), end="")
             return 0
+        case "keys":
+            from switchyard import keys
+
+            return keys.run(args)
         case "build-tiny-model":
             from switchyard.tiny_model import main as build
 

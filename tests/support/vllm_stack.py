@@ -131,6 +131,9 @@ def vllm_stack(
         "0.2",
         "--ready-timeout-s",
         str(timeout_s),
+        # The tests give requests tenants of their own with x-switchyard-tenant (a cold cache).
+        "--auth",
+        "proxy",
         *extra,
     ]
     out = log.open("w")
