@@ -95,6 +95,10 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
     try:
         with watch.scope:
             yield nc
+    except Exception as exc:  # the block's cleanup tripped over the dead connection (a goodbye message)
+        if watch.lost is None:
+            raise
+        raise watch.lost from exc
     finally:
         watch.closing = True  # our own close below is no loss
         # Flush what we published, then close. Not drain(): our subscription readers

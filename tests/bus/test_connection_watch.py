@@ -31,6 +31,17 @@ async def test_a_connection_the_server_closes_raises_out_of_the_block(nats):
     assert "victim" in str(closed.value) and "control line" in str(closed.value).lower()
 
 
+async def test_a_cleanup_that_trips_over_the_closed_connection_still_says_why(nats):
+    with anyio.fail_after(5), pytest.raises(BusClosedError):
+        async with connect(nats.url, "polite") as nc:
+            try:
+                await nc.publish(_OVERSIZED, b"")
+                await anyio.sleep(30)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await nc.publish("sy.test.goodbye", b"")  # as a worker says WorkerLeaving
+
+
 async def test_leaving_the_block_is_no_loss(nats):
     async with connect(nats.url, "calm") as nc:
         await nc.flush()
