@@ -78,7 +78,9 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
                 log.warning("%s: slow consumer on %s, %d messages dropped so far", name, exc.subject, stats.dropped)
         else:
             stats.errors += 1
-            log.warning("%s: NATS error: %r", name, exc)
+            # While reconnecting, every refused attempt (5 a second) is an error: said once, by disconnected().
+            quiet = watch.nc is not None and not watch.nc.is_connected and not watch.nc.is_closed
+            log.log(logging.DEBUG if quiet else logging.WARNING, "%s: NATS error: %r", name, exc)
 
     nc = await nats.connect(
         url,
