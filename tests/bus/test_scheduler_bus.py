@@ -100,7 +100,9 @@ async def test_a_request_flows_through_prefill_and_decode(nats):
         await tg.start(decode.run)
         await _wait(lambda: len(sched.core.workers) == 2)
         sub = await nc.subscribe(subjects.stream("ing-test"))
-        reply = await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r1"))))
+        reply = await nc.request(
+            subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r1"))), timeout=5
+        )
         assert type(codec.SCHEDULER_REPLY.decode(reply.data)).__name__ == "Admitted"
         chunks = await _collect(sub, "r1", 4)
         assert _positions(chunks) == [0, 1, 2, 3]
@@ -135,7 +137,7 @@ async def test_silent_worker_expires_and_its_prefill_is_redone_elsewhere(nats):
         await _register_impostor(nc, "ghost")
         await _wait(lambda: "ghost" in sched.core.workers and len(sched.core.workers) == 2)
         sub = await nc.subscribe(subjects.stream("ing-test"))
-        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r2"))))
+        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r2"))), timeout=5)
         await _wait(lambda: "ghost" not in sched.core.workers, timeout_s=3)  # no responder: removed
         started = time.monotonic()
         real = build_worker(worker_config(nats.url, "prefill"))
@@ -171,7 +173,7 @@ async def test_a_worker_that_never_acks_times_out_and_its_prefill_is_redone(nats
         await _register_impostor(nc, "mute")
         await _wait(lambda: "mute" in sched.core.workers)
         sub = await nc.subscribe(subjects.stream("ing-test"))
-        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r3"))))
+        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r3"))), timeout=5)
         await tg.start(build_worker(worker_config(nats.url, "prefill")).run)
         chunks = await _collect(sub, "r3", 4)
         assert _positions(chunks) == [0, 1, 2, 3]
@@ -192,7 +194,9 @@ async def test_a_short_prompt_is_prefilled_and_decoded_by_its_decode_worker(nats
         await _register_impostor(nc, "unused-prefill")  # it would never answer: a handoff would time out
         await _wait(lambda: len(sched.core.workers) == 2)
         sub = await nc.subscribe(subjects.stream("ing-test"))
-        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r4", tokens=40))))
+        await nc.request(
+            subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r4", tokens=40))), timeout=5
+        )
         chunks = await _collect(sub, "r4", 4)
         assert _positions(chunks) == [0, 1, 2, 3]
         assert chunks[0].usage is not None and chunks[0].usage.prompt_tokens == 40
@@ -214,7 +218,7 @@ async def test_session_bindings_survive_a_scheduler_restart(nats):
             await sched_group.start(first.run)
             await _wait(lambda: len(first.core.workers) == 4)
             spec = msgspec.structs.replace(_spec("s1"), tenant="acme", session="agent-7")
-            await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec)))
+            await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec)), timeout=5)
             home = first.core.sessions.lookup("acme", "agent-7", first._clock())
             assert home is not None
             await anyio.sleep(0.3)  # the writer puts the binding in the bucket
@@ -252,7 +256,7 @@ async def test_the_index_learns_what_moved_down_to_the_host_tier(nats):
         await _wait(lambda: sched.core.index.knows(prefill.config.worker_id))
         first, second = _keyed(_spec("a", tokens=48)), _keyed(_spec("b", tokens=48), shift=1000)
         for spec in (first, second):  # 3 device blocks: the second pushes the first down to the host
-            await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec)))
+            await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec)), timeout=5)
             await _wait(lambda: not sched.core.requests)
         wid = prefill.config.worker_id
         await _wait(
