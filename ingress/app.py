@@ -15,8 +15,9 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
+import anyio
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import trace
@@ -24,7 +25,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -36,6 +37,7 @@ from switchyard.ingress.errors import (
     InvalidRequest,
     ModelNotFound,
     RateLimited,
+    RequestTimeout,
     RequestTooLarge,
     Unavailable,
     internal_error,
@@ -49,6 +51,7 @@ from switchyard.ingress.openai_types import (
     decode_body,
     stop_strings,
 )
+from switchyard.ingress.openapi import openapi_document
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.text import TextAssembler
 from switchyard.ingress.tokenizer import ModelTokenizer, TokenizerError
@@ -67,6 +70,7 @@ from switchyard.schemas import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 SESSION_HEADER = "x-session-affinity"
 PRIORITY_HEADER = "x-switchyard-priority"  # interactive (default), batch, or 0-9
@@ -98,6 +102,8 @@ class Ingress:
         self.bus_stats = bus_stats
         self.ingress_id = config.ingress_id
         self._gen_ctx = GenerationContext(nc=nc, router=router, metrics=metrics)
+        self._tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
+        self._openapi: bytes | None = None
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -105,6 +111,7 @@ class Ingress:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_text, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
             ],
             # Exception: Starlette's outermost middleware answers with it, then re-raises
             # for the server to log; the client never sees a plain-text 500.
@@ -116,10 +123,10 @@ class Ingress:
     # --- endpoints --------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response | Generation:
-        body = decode_body(await self._read_body(request), ChatCompletionRequest)
+        body = decode_body(await self._read_body(request), ChatCompletionRequest, max_depth=self.config.max_json_depth)
         self._check_common(body)
         try:
-            prompt = self.tokenizer.encode_chat(chat_messages(body))
+            prompt = await self._off_loop(self.tokenizer.encode_chat, chat_messages(body))
         except TokenizerError as exc:  # the template refused these messages (raise_exception)
             raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -127,11 +134,11 @@ class Ingress:
         return await self._generate(request, "chat", body, prompt, self._max_tokens(len(prompt), requested, param))
 
     async def completions(self, request: Request) -> Response | Generation:
-        body = decode_body(await self._read_body(request), CompletionRequest)
+        body = decode_body(await self._read_body(request), CompletionRequest, max_depth=self.config.max_json_depth)
         self._check_common(body)
         if body.echo:
             raise InvalidRequest("`echo` is not supported.", param="echo")
-        prompt = self._completion_prompt(body.prompt)
+        prompt = await self._completion_prompt(body.prompt)
         return await self._generate(
             request, "completion", body, prompt, self._max_tokens(len(prompt), body.max_tokens, "max_tokens")
         )
@@ -180,6 +187,11 @@ class Ingress:
             self.metrics.set_workers(status.workers)
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:  # built on first use, when every route is in place
+            self._openapi = openapi_document(self.app.routes, self.model)
+        return Response(self._openapi, media_type="application/json")
+
     # --- checks ------------------------------------------------------------------------------
 
     async def _read_body(self, request: Request) -> bytes:
@@ -188,21 +200,39 @@ class Ingress:
         if declared.isdigit() and int(declared) > limit:
             raise RequestTooLarge(f"The request body is {declared} bytes; the limit is {limit}.")
         parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.")
-            parts.append(part)
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+                parts.append(part)
+        except ClientDisconnect:  # gone, or cut off by the edge's body deadline (ingress.edge)
+            raise RequestTimeout("The request body did not arrive in full.") from None
         return b"".join(parts)
+
+    def _check_streams(self) -> None:
+        """Exact, since nothing awaits between here and the route's opening."""
+        if len(self.router) >= self.config.max_streams:
+            raise RateLimited(
+                f"This ingress is serving its limit of {self.config.max_streams} requests; retry shortly.",
+                code="too_many_streams",
+                retry_after_s=1.0,
+            )
+
+    async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Tokenizing runs at about 2 MB/s: on the event loop, an 8 MB prompt would stall every
+        client for seconds. In a bounded pool of threads (the tokenizer releases the GIL) it
+        stalls no one, and at most ``tokenize_threads`` prompts are held in memory at once."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._tokenizing)
 
     def _check_common(self, body) -> None:
         if body.model != self.model:
             raise ModelNotFound(body.model)
         check_sampling(body)
 
-    def _completion_prompt(self, prompt) -> list[int]:
+    async def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return await self._off_loop(self.tokenizer.encode, prompt)
         if prompt and all(isinstance(p, int) for p in prompt):
             vocab = self.tokenizer.info.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
@@ -213,7 +243,7 @@ class Ingress:
                 "`prompt` must be a string, a list of one string, or a list of token ids; one prompt per request.",
                 param="prompt",
             )
-        return self.tokenizer.encode(prompt[0])
+        return await self._off_loop(self.tokenizer.encode, prompt[0])
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         context = self.tokenizer.info.max_context
@@ -240,6 +270,7 @@ class Ingress:
     async def _generate(
         self, request: Request, kind: Kind, body: Any, prompt: list[int], max_tokens: int
     ) -> Response | Generation:
+        self._check_streams()
         caller = caller_of(request)  # the tenant is its key's, never a client's say (ingress.auth)
         ticket = caller.admit(len(prompt) + max_tokens)  # 429 past its key's limits
         spec = self._spec(

@@ -26,6 +26,35 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
         "vllm-none-hash"
     )
     max_body_bytes: Annotated[int, setting("largest request body (413 above)", gt=0)] = 8 * 1024 * 1024
+    # The edge (ingress.edge, ingress.app): what one client may cost. The decoder recurses per
+    # level of nesting, so the depth stays far below Python's recursion limit.
+    max_json_depth: Annotated[
+        int, setting("deepest nesting of arrays and objects in a body (400 above)", gt=0, le=256)
+    ] = 64
+    tokenize_threads: Annotated[
+        int, setting("threads that render chat templates and tokenize, off the event loop", gt=0)
+    ] = 4
+    max_streams: Annotated[int, setting("generation requests in flight on this ingress (429 above)", gt=0)] = 1024
+    max_connections: Annotated[
+        int, setting("open HTTP connections (a request on one more gets 503); keep under the file limit", gt=0)
+    ] = 4096
+    max_header_bytes: Annotated[int, setting("largest request head, request line and headers (431 above)", ge=1024)] = (
+        32 * 1024
+    )
+    max_headers: Annotated[int, setting("most header fields in a request (431 above)", gt=0)] = 100
+    # Above a load balancer's usual 60 s idle timeout, so that the balancer closes first.
+    keep_alive_timeout_s: Annotated[
+        float, setting("an idle connection (kept alive, or never used) is closed after this long", gt=0)
+    ] = 65.0
+    header_timeout_s: Annotated[
+        float, setting("a request head must arrive within this long of its first byte (408)", gt=0)
+    ] = 10.0
+    body_timeout_s: Annotated[float, setting("a request body must arrive within this long of its head (408)", gt=0)] = (
+        60.0
+    )
+    send_timeout_s: Annotated[
+        float, setting("a client that takes no response bytes for this long is dropped, its request cancelled", gt=0)
+    ] = 30.0
     default_max_tokens: Annotated[int, setting("max_tokens of a request that names none", gt=0)] = 1024
     submit_timeout_s: Annotated[float, setting("how long the scheduler may take to admit a request", gt=0)] = 5.0
     stream_idle_timeout_s: Annotated[

@@ -12,8 +12,10 @@ IngressError
     ├── Unauthorized              401 code=invalid_api_key (ingress.auth: no key, or not a live one)
     ├── PermissionDenied          403 code=permission_denied (a right the key lacks)
     ├── ModelNotFound             404 code=model_not_found
+    ├── RequestTimeout            408 (ingress.edge: a head or body that arrives too slowly)
     ├── RequestTooLarge           413
     ├── RateLimited               429 with Retry-After
+    ├── HeadersTooLarge           431 (ingress.edge: too many header bytes or fields)
     ├── Unavailable               503 (no scheduler / no workers)
     └── GenerationFailed          502 (a worker was lost mid-request)
         └── DeadlineExceeded      504 (queued past its x-switchyard-deadline-s)
@@ -102,9 +104,25 @@ class RequestTooLarge(ApiError):
     type = "invalid_request_error"
 
 
+class RequestTimeout(ApiError):
+    status = 408
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_timeout")
+
+
 class RateLimited(ApiError):
     status = 429
     type = "rate_limit_error"
+
+
+class HeadersTooLarge(ApiError):
+    status = 431
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_header_fields_too_large")
 
 
 class Unavailable(ApiError):

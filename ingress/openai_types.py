@@ -7,10 +7,18 @@ checked by hand (the bus carries [-2^63, 2^64 - 1], past int64 where Meta stops)
 no number reaches the msgpack encoder that it cannot carry. Responses are built as
 plain dicts and encoded by msgspec: they are written once per token and need no
 validation.
+
+Nesting is bounded before decoding: msgspec recurses once per level of arrays and objects,
+even to skip an unknown field, so 100,000 brackets would end in a RecursionError. A body
+with no more openers than the limit cannot nest deeper (two ``bytes.count`` calls); any
+other is measured exactly with its strings cut out, in C-speed passes (``depth_exceeds``).
 """
 
 from __future__ import annotations
 
+import re
+from array import array
+from itertools import accumulate
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -63,13 +71,32 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     echo: bool = False
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4
+MAX_JSON_DEPTH = 64
+
+# A JSON string, or an unterminated one up to the end; possessive, so that no input makes the
+# search backtrack (an unterminated string of escaped quotes would otherwise be quadratic).
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
 
 
-def decode_body(body: bytes, type_: type[_T]) -> _T:
+def depth_exceeds(body: bytes, limit: int) -> bool:
+    """Whether arrays and objects in ``body`` nest more than ``limit`` deep (outside strings)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    steps = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS).translate(_DEPTH_STEPS)
+    return max(accumulate(array("b", steps)), default=0) > limit
+
+
+def decode_body(body: bytes, type_: type[_T], *, max_depth: int = MAX_JSON_DEPTH) -> _T:
     if not body.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.")
+    if depth_exceeds(body, max_depth):
+        raise InvalidRequest(
+            f"The request body nests arrays and objects more than {max_depth} deep.", code="json_too_deep"
+        )
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
@@ -95,9 +122,9 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
         raise InvalidRequest("`messages` must hold at least one message.", param="messages")
     out = []
     for i, message in enumerate(request.messages):
-        if message.role not in _ROLES:
+        if message.role not in ROLES:
             raise InvalidRequest(
-                f"Unknown role {message.role!r}; expected one of {', '.join(_ROLES)}.", param=f"messages[{i}].role"
+                f"Unknown role {message.role!r}; expected one of {', '.join(ROLES)}.", param=f"messages[{i}].role"
             )
         out.append(
             {"role": "system" if message.role == "developer" else message.role, "content": _text_of(message.content, i)}

@@ -16,6 +16,7 @@ from anyio.abc import TaskStatus
 from switchyard.ingress.app import Ingress
 from switchyard.ingress.auth import Gate
 from switchyard.ingress.config import IngressConfig
+from switchyard.ingress.edge import EdgeLimits, edge_protocol
 from switchyard.ingress.errors import IngressError
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.tokenizer import ModelTokenizer
@@ -59,10 +60,11 @@ class IngressService:
                     ingress.app,
                     log_level="warning",
                     access_log=False,
-                    http=_http_impl(),
+                    http=edge_protocol(EdgeLimits.of(cfg)),
+                    ws="none",
                     timeout_graceful_shutdown=5,
                     lifespan="off",
-                    timeout_keep_alive=65,
+                    timeout_keep_alive=cfg.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
                 )
             )
             try:
@@ -87,15 +89,6 @@ class IngressService:
     async def _serve_http(server: uvicorn.Server, sock: socket.socket, scope: anyio.CancelScope) -> None:
         await server.serve(sockets=[sock])
         scope.cancel()  # the server stopped on its own: the ingress stops with it
-
-
-def _http_impl() -> str:
-    """httptools (C parser) where installed, else h11."""
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return "h11"
-    return "httptools"
 
 
 def _bind(host: str, port: int) -> socket.socket:

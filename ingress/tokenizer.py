@@ -293,9 +293,11 @@ class ModelTokenizer:
         """Token ids of `text`, with no BOS/EOS added.
 
         Special-token text inside `text` is still recognised as the special id, as in
-        transformers and vLLM.
+        transformers and vLLM. Through `encode_batch`, which releases the GIL while it works
+        (`encode` holds it): the ingress tokenizes in threads, and a prompt of megabytes must
+        not stop the event loop's thread for the seconds it takes.
         """
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def render_chat(self, messages: Sequence[Message]) -> str:
         """The prompt text for `messages`, ending with the assistant's generation prompt."""
