@@ -9,10 +9,11 @@ uvicorn's httptools protocol bounds none of this, so ``EdgeProtocol`` adds, per 
   must arrive within ``header_timeout_s`` of its first byte (408);
 - **the body** must arrive within ``body_timeout_s`` of the head (408 if nothing was answered
   yet; the app, if reading it, sees a disconnect);
-- **a client that stops reading**: when writes stay paused (the transport's buffer above its
-  high-water mark) for ``send_timeout_s``, the connection is aborted; the request sees a
-  disconnect and cancels its work, so the memory held for it is the kernel's socket buffers
-  plus one high-water mark;
+- **a client that stops reading**: writes pause as soon as the kernel's socket buffer is full
+  (a high-water mark of 0: uvicorn then waits for the client before each write), and when the
+  client takes no bytes for ``send_timeout_s`` the connection is aborted; the request sees a
+  disconnect and cancels its work, so what is held for it is the kernel's buffers plus one
+  message;
 - **connections**: a request on a connection past ``max_connections`` gets 503 with
   ``Retry-After``.
 
@@ -167,7 +168,11 @@ class EdgeProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+            self._arm_write()
+
+    def _arm_write(self) -> None:
+        buffered = self.transport.get_write_buffer_size()
+        self._write_timer = self.loop.call_later(self.limits.send_timeout_s, self._stalled, buffered)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -175,7 +180,10 @@ class EdgeProtocol(HttpToolsProtocol):
             self._write_timer.cancel()
             self._write_timer = None
 
-    def _stalled(self) -> None:
+    def _stalled(self, buffered: int) -> None:
+        if self.transport.get_write_buffer_size() < buffered:  # slow, but taking bytes
+            self._arm_write()
+            return
         log.warning("%s took no response bytes for %.0f s; dropping it", _peer(self.client), self.limits.send_timeout_s)
         self.transport.abort()  # connection_lost tells the request, which cancels its work
 

@@ -87,6 +87,16 @@ def status_and_error(response: bytes) -> tuple[int, dict]:
     return status, msgspec.json.decode(body)["error"]
 
 
+def dechunk(body: bytes) -> bytes:
+    """A chunked body's content."""
+    out = b""
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        if not (n := int(size, 16)):
+            return out
+        out, body = out + body[:n], body[n + 2 :]
+
+
 def head(path: str = "/v1/models", method: str = "GET", extra: bytes = b"") -> bytes:
     return f"{method} {path} HTTP/1.1\r\nhost: test\r\n".encode() + extra
 
@@ -312,4 +322,30 @@ def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(slow_s
     # us and cancels the request, which would otherwise decode for 100 s.
     assert wait_until(lambda: decode.role.running() == 0, timeout_s=15)
     assert wait_until(lambda: len(slow_stack.ingress.router) == 0)
+    sock.close()
+
+
+def test_a_slow_reader_that_keeps_reading_is_served_in_full(stack):
+    servers = [o for o in gc.get_objects() if isinstance(o, ServerState)]  # slow: before connecting
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    host, port = stack.ingress.url.removeprefix("http://").split(":")
+    sock.connect((host, int(port)))
+    assert wait_until(lambda: server_side(sock, servers) is not None)
+    server = server_side(sock, servers)
+    assert server is not None
+    server.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    body = msgspec.json.encode({"model": MODEL, "messages": MESSAGES, "max_tokens": 4000})
+    sock.sendall(head(CHAT, "POST", b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)) + body)
+    # About 24 KB in one write, taken a little at a time: never drained for seconds, always moving.
+    response, started = b"", time.monotonic()
+    sock.settimeout(5)
+    while not response.endswith(b"\r\n0\r\n\r\n"):  # the last chunk
+        time.sleep(0.25)
+        chunk = sock.recv(8192)
+        assert chunk, "closed before the whole response"
+        response += chunk
+    assert time.monotonic() - started > 1.5  # longer than the send timeout, so it was tested
+    reply = msgspec.json.decode(dechunk(response.partition(b"\r\n\r\n")[2]))
+    assert reply["usage"]["completion_tokens"] == 4000
     sock.close()
