@@ -53,7 +53,7 @@ class IngressService:
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         sock = _bind(cfg.host, cfg.port)
-        async with connect(cfg.nats_url, cfg.ingress_id, self.stats) as nc:
+        async with connect(cfg.nats_url, cfg.ingress_id, self.stats, cfg.nats_client) as nc:
             ingress = Ingress(cfg, self.tokenizer, nc, self.router, self.metrics, self.stats, self.gate)
             server = _Server(
                 uvicorn.Config(

@@ -14,15 +14,25 @@ connection, which no supervisor restarts. So such a close cancels the body of
 ``connect`` and raises ``BusClosedError`` out of it, and out of the service's
 ``run()``: the process exits non-zero and ``switchyard up`` (or any process manager)
 starts it again on a fresh connection.
+
+Who connects is a setting of every service (``NatsClientConfig``: ``--nats-credentials-file``,
+``--nats-tls-ca``): a credentials file, never a password on a command line, and never a
+password in a log line (``redacted`` hides what a URL carries). The file names the user,
+its password and the inbox prefix its NATS permissions give it (``schemas.permissions``);
+no file means no authentication. A permissions violation does not close the connection
+(the server answers ``-ERR`` and carries on): it is logged as an error and counted.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -32,7 +42,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import SlowConsumerError
 
-from switchyard.schemas import SwitchyardError
+from switchyard.schemas import ConfigStruct, SwitchyardError, permissions, setting
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +67,74 @@ class BusClosedError(SwitchyardError):
         self.reason = reason
 
 
+class BusAuthError(SwitchyardError):
+    """Credentials or TLS settings this connection cannot use (no file, not readable, malformed)."""
+
+
+class NatsClientConfig(ConfigStruct, frozen=True, kw_only=True):
+    """Who a service is to NATS, and how it checks the server (a subtree of each service's config)."""
+
+    credentials_file: Annotated[
+        str, setting("file with this service's NATS user and password (`switchyard nats-auth` writes them)")
+    ] = ""
+    tls_ca: Annotated[str, setting("CA certificate (PEM) that the NATS server's TLS certificate must chain to")] = ""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """One NATS user, as a credentials file holds it (JSON)."""
+
+    user: str
+    password: str = field(repr=False)
+    inbox_prefix: str = permissions.DEFAULT_INBOX
+
+
+def load_credentials(path: str) -> Credentials:
+    try:
+        return msgspec.json.decode(Path(path).read_bytes(), type=Credentials)
+    except (OSError, msgspec.DecodeError) as exc:  # the message names no secret: msgspec quotes no values
+        raise BusAuthError(f"NATS credentials file {path}: {exc}") from None
+
+
+_USERINFO = re.compile(r"//[^/@]*@")
+
+
+def redacted(url: str) -> str:
+    """``url`` with whatever it carries before an ``@`` (user, password, token) replaced by ``***``."""
+    return _USERINFO.sub("//***@", url)
+
+
+def _client_options(url: str, client: NatsClientConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if client.credentials_file:
+        if _USERINFO.search(url):
+            raise BusAuthError(f"{redacted(url)}: credentials both in the URL and in --nats-credentials-file")
+        creds = load_credentials(client.credentials_file)
+        options |= {"user": creds.user, "password": creds.password, "inbox_prefix": creds.inbox_prefix}
+    if client.tls_ca:
+        try:
+            options["tls"] = ssl.create_default_context(cafile=client.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise BusAuthError(f"NATS TLS CA {client.tls_ca}: {exc}") from None
+    return options
+
+
 @dataclass
 class BusStats:
     dropped: int = 0  # messages a slow subscription lost
+    denied: int = 0  # publishes and subscriptions the server's permissions refused
     errors: int = 0  # other asynchronous client errors
 
 
 @asynccontextmanager
-async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIterator[Client]:
+async def connect(
+    url: str, name: str, stats: BusStats | None = None, client: NatsClientConfig | None = None
+) -> AsyncIterator[Client]:
     """A connection that reconnects forever to a server that went away, and raises
     ``BusClosedError`` out of the block if the server closes it; flushed and closed on
-    exit (shielded)."""
+    exit (shielded). ``client``: its credentials and TLS (none: anonymous, plain)."""
     stats = stats if stats is not None else BusStats()
+    options = _client_options(url, client or NatsClientConfig())
     watch = _Watch(name)
 
     async def on_error(exc: Exception) -> None:
@@ -76,6 +142,9 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
             stats.dropped += 1
             if stats.dropped in (1, 10, 100) or stats.dropped % 1000 == 0:
                 log.warning("%s: slow consumer on %s, %d messages dropped so far", name, exc.subject, stats.dropped)
+        elif "permissions violation" in str(exc).lower():
+            stats.denied += 1
+            log.error("%s: NATS refused it: %s", name, exc)
         else:
             stats.errors += 1
             # While reconnecting, every refused attempt (5 a second) is an error: said once, by disconnected().
@@ -92,6 +161,7 @@ async def connect(url: str, name: str, stats: BusStats | None = None) -> AsyncIt
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.2,
         connect_timeout=5,
+        **options,
     )
     watch.nc = nc
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from switchyard.observability import NatsClientConfig
 from switchyard.schemas import ConfigStruct, setting
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -65,6 +66,9 @@ class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
 
 class SchedulerServiceConfig(ConfigStruct, frozen=True, kw_only=True):
     nats_url: Annotated[str, setting("NATS server URL", flag="nats", min_length=1)] = DEFAULT_NATS_URL
+    nats_client: Annotated[NatsClientConfig, setting("the NATS connection's credentials and TLS", prefix="nats-")] = (
+        NatsClientConfig()
+    )
     core: Annotated[SchedulerConfig, setting("the decision core", prefix="")] = SchedulerConfig()
     tick_s: Annotated[float, setting("the scheduler's timer tick", gt=0)] = 0.1
     dispatch_timeout_s: Annotated[float, setting("an unanswered dispatch removes its worker after", gt=0)] = 2.0

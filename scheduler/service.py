@@ -34,7 +34,7 @@ from anyio.abc import TaskStatus
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from switchyard.observability import BusStats, connect, decoded, subscribe, tracing
+from switchyard.observability import BusStats, connect, decoded, redacted, subscribe, tracing
 from switchyard.scheduler.config import SchedulerServiceConfig
 from switchyard.scheduler.core import (
     Action,
@@ -96,7 +96,7 @@ class SchedulerService:
         self._sessions = SessionStore.disabled()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        async with connect(self.config.nats_url, self.scheduler_id, self.stats) as nc:
+        async with connect(self.config.nats_url, self.scheduler_id, self.stats, self.config.nats_client) as nc:
             self._nc = nc
             async with anyio.create_task_group() as tg:
                 submits = await subscribe(nc, subjects.SUBMIT, queue=subjects.SCHEDULER_QUEUE)
@@ -117,7 +117,7 @@ class SchedulerService:
                 await nc.flush()
                 # Workers that were up before us register now instead of at their next beat.
                 await nc.publish(subjects.ROLL_CALL, codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
-                log.info("scheduler %s ready on %s", self.scheduler_id, self.config.nats_url)
+                log.info("scheduler %s ready on %s", self.scheduler_id, redacted(self.config.nats_url))
                 task_status.started()
 
     # --- inputs --------------------------------------------------------------------

@@ -3,7 +3,7 @@
 if __name__ != "switchyard.schemas":  # one module, one name: the wheel installs only `switchyard`
     raise ImportError(f"import switchyard.schemas, not {__name__}")
 
-from switchyard.schemas import codec, subjects
+from switchyard.schemas import codec, permissions, subjects
 from switchyard.schemas.codec import Codec
 from switchyard.schemas.config import ConfigStruct, PositiveInt, setting
 from switchyard.schemas.errors import SwitchyardError
@@ -16,6 +16,7 @@ __all__ = [
     "PositiveInt",
     "SwitchyardError",
     "codec",
+    "permissions",
     "setting",
     "subjects",
     *_messages_all,

@@ -6,6 +6,7 @@
     switchyard worker        a prefill or decode worker (--role, --engine)
     switchyard config show   the effective configuration of every service, and its sources
     switchyard keys ...      API keys for --auth keys: create, list, revoke
+    switchyard nats-auth     NATS users, one per role, and their permissions (--out DIR)
     switchyard bench ...     benchmarks
 
 Every setting's flag is derived from its declaration on the config trees
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     from switchyard import keys
 
     keys.add_arguments(sub.add_parser("keys", help="API keys for --auth keys: create, list, revoke"))
+    from switchyard import nats_auth
+
+    nats_auth.add_arguments(
+        sub.add_parser("nats-auth", help="NATS users and permissions for a deployment: server config, credentials")
+    )
 
     tiny = sub.add_parser("build-tiny-model", help="build the tiny Llama (seeded weights) that vLLM serves in tests")
     tiny.add_argument("directory", type=Path)
@@ -183,6 +189,10 @@ def _main(args: argparse.Namespace) -> int:
             from switchyard import keys
 
             return keys.run(args)
+        case "nats-auth":
+            from switchyard import nats_auth
+
+            return nats_auth.run(args)
         case "build-tiny-model":
             from switchyard.tiny_model import main as build
 

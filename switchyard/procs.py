@@ -102,24 +102,32 @@ class NatsServer:
     process: subprocess.Popen
 
 
-def nats_server_command(host: str, port: int, store_dir: str | None) -> list[str]:
-    """nats-server on ``host:port``; with JetStream, storing in ``store_dir``, when one is given.
-    The same port and store make a restarted server the same server to its clients: they
-    reconnect, and the JetStream streams and buckets are still there."""
+def nats_server_command(host: str, port: int, store_dir: str | None, config: str | None = None) -> list[str]:
+    """nats-server on ``host:port``; with JetStream, storing in ``store_dir``, when one is given;
+    with the users and permissions of ``config`` (a file, so no password is on this command
+    line), when one is given. The same port and store make a restarted server the same
+    server to its clients: they reconnect, and the JetStream streams and buckets are still there."""
     args = [str(nats_server_binary()), "-a", host, "-p", str(port)]
+    if config is not None:
+        args += ["-c", config]  # the flags around it win over the file
     return [*args, "-js", "-sd", store_dir] if store_dir is not None else args
 
 
 @contextmanager
 def nats_server(
-    port: int = 0, jetstream: bool = True, host: str = "127.0.0.1", store_dir: str | None = None
+    port: int = 0,
+    jetstream: bool = True,
+    host: str = "127.0.0.1",
+    store_dir: str | None = None,
+    config: str | None = None,
 ) -> Iterator[NatsServer]:
     """A private nats-server on loopback, stopped on exit; its JetStream store is a fresh
-    temporary folder (removed on exit) unless ``store_dir`` names one."""
+    temporary folder (removed on exit) unless ``store_dir`` names one; ``config``: a
+    server configuration file (``switchyard.nats_auth``'s users and permissions)."""
     port = port or free_port(host)
     with tempfile.TemporaryDirectory(prefix="switchyard-nats-") as scratch:
         store = (store_dir or scratch) if jetstream else None
-        proc = spawn(nats_server_command(host, port, store), stdout=subprocess.DEVNULL)
+        proc = spawn(nats_server_command(host, port, store, config), stdout=subprocess.DEVNULL)
         try:
             wait_for_port(host, port, 10.0, proc)
             yield NatsServer(url=f"nats://{host}:{port}", port=port, process=proc)
@@ -179,15 +187,25 @@ class MooncakePorts:
         return f"http://{self.host}:{self.metadata}/metadata"
 
 
+def mooncake_metadata_command(ports: MooncakePorts) -> list[str]:
+    """Mooncake's HTTP metadata server, on ``ports.host`` only. Not the master's own: this
+    build's embedded one listens on every interface whatever host it is given."""
+    return [
+        str(mooncake_binary("mooncake_http_metadata_server")),
+        f"--host={ports.host}",
+        f"--port={ports.metadata}",
+        "--log-level=WARNING",
+    ]
+
+
 def mooncake_master_command(ports: MooncakePorts) -> list[str]:
-    # Note: this build's HTTP metadata server listens on every interface whatever host
-    # it is given; keep the host's firewall closed to it.
+    """The master; its RPC and metrics listen on ``ports.host`` only (its RPC binds every
+    interface unless ``--rpc_address`` names one)."""
     return [
         str(mooncake_binary("mooncake_master")),
         f"--rpc_port={ports.rpc}",
-        "--enable_http_metadata_server=true",
-        f"--http_metadata_server_host={ports.host}",
-        f"--http_metadata_server_port={ports.metadata}",
+        f"--rpc_address={ports.host}",
+        "--enable_http_metadata_server=false",
         f"--metrics_host={ports.host}",
         f"--metrics_port={ports.metrics}",
         "--logtostderr=true",
@@ -215,13 +233,15 @@ class MooncakeStore:
     ports: MooncakePorts
     master: subprocess.Popen
     segment: subprocess.Popen
+    metadata: subprocess.Popen
 
 
 def mooncake_commands(ports: MooncakePorts, segment_bytes: int) -> list[tuple[str, list[str], tuple[int, ...]]]:
     """The store's processes in start order, each with the ports that say it is ready: the
-    master (RPC and metadata server), then the segment, which registers through both."""
+    metadata server, the master, then the segment, which registers through both."""
     return [
-        ("mooncake-master", mooncake_master_command(ports), (ports.rpc, ports.metadata)),
+        ("mooncake-metadata", mooncake_metadata_command(ports), (ports.metadata,)),
+        ("mooncake-master", mooncake_master_command(ports), (ports.rpc,)),
         ("mooncake-segment", mooncake_segment_command(ports, segment_bytes), (ports.segment,)),
     ]
 
@@ -230,7 +250,8 @@ def mooncake_commands(ports: MooncakePorts, segment_bytes: int) -> list[tuple[st
 def mooncake_store(
     segment_bytes: int = 512 << 20, host: str = "127.0.0.1", stdout=subprocess.DEVNULL
 ) -> Iterator[MooncakeStore]:
-    """A private Mooncake Store on loopback: master, then a segment; stopped on exit."""
+    """A private Mooncake Store on loopback: metadata server, master, then a segment; stopped
+    on exit (segment first)."""
     ports = MooncakePorts.pick(host)
     started: list[subprocess.Popen] = []
     try:
@@ -238,6 +259,6 @@ def mooncake_store(
             started.insert(0, spawn(command, stdout=stdout))  # stopped segment first
             for port in ready:
                 wait_for_port(host, port, 20.0, started[0])
-        yield MooncakeStore(ports=ports, master=started[1], segment=started[0])
+        yield MooncakeStore(ports=ports, master=started[1], segment=started[0], metadata=started[2])
     finally:
         stop(started)

