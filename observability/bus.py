@@ -20,7 +20,10 @@ Who connects is a setting of every service (``NatsClientConfig``: ``--nats-crede
 password in a log line (``redacted`` hides what a URL carries). The file names the user,
 its password and the inbox prefix its NATS permissions give it (``schemas.permissions``);
 no file means no authentication. A permissions violation does not close the connection
-(the server answers ``-ERR`` and carries on): it is logged as an error and counted.
+(the server answers ``-ERR`` and carries on): a refused publish is logged as an error and
+counted (``BusStats.denied``); a refused subscription, or credentials the server refuses
+(which nats-py would retry forever), raise ``BusAuthError`` out of the block like a close:
+the service cannot do its work, and says why.
 """
 
 from __future__ import annotations
@@ -142,27 +145,35 @@ async def connect(
             stats.dropped += 1
             if stats.dropped in (1, 10, 100) or stats.dropped % 1000 == 0:
                 log.warning("%s: slow consumer on %s, %d messages dropped so far", name, exc.subject, stats.dropped)
+        elif "authorization violation" in str(exc).lower():  # who we are, refused: retrying cannot help
+            watch.refuse(BusAuthError(f"{name}: the NATS server refused these credentials ({exc})"))
         elif "permissions violation" in str(exc).lower():
             stats.denied += 1
-            log.error("%s: NATS refused it: %s", name, exc)
+            if "subscription" in str(exc).lower():  # something this service must hear: it cannot work
+                watch.refuse(BusAuthError(f"{name}: NATS refused a subscription this service needs: {exc}"))
+            else:
+                log.error("%s: NATS refused it: %s", name, exc)
         else:
             stats.errors += 1
             # While reconnecting, every refused attempt (5 a second) is an error: said once, by disconnected().
             quiet = watch.nc is not None and not watch.nc.is_connected and not watch.nc.is_closed
             log.log(logging.DEBUG if quiet else logging.WARNING, "%s: NATS error: %r", name, exc)
 
-    nc = await nats.connect(
-        url,
-        name=name,
-        error_cb=on_error,
-        disconnected_cb=watch.disconnected,
-        reconnected_cb=watch.reconnected,
-        closed_cb=watch.closed,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.2,
-        connect_timeout=5,
-        **options,
-    )
+    with watch.first:
+        nc = await nats.connect(
+            url,
+            name=name,
+            error_cb=on_error,
+            disconnected_cb=watch.disconnected,
+            reconnected_cb=watch.reconnected,
+            closed_cb=watch.closed,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            connect_timeout=5,
+            **options,
+        )
+    if watch.lost is not None:  # refused before the first connection was made
+        raise watch.lost
     watch.nc = nc
     try:
         with watch.scope:
@@ -186,14 +197,24 @@ async def connect(
 
 class _Watch:
     """nats-py's connection callbacks, turned into log lines and, for a close we did not
-    ask for, the cancellation of the ``connect`` block (``scope``) and the error it raises."""
+    ask for or a refusal of who we are or of what we must hear, the cancellation of the
+    ``connect`` block (``scope``, or the first connection attempts, ``first``) and the
+    error it raises."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.scope = anyio.CancelScope()
+        self.first = anyio.CancelScope()
         self.nc: Client | None = None
         self.closing = False
-        self.lost: BusClosedError | None = None
+        self.lost: SwitchyardError | None = None
+
+    def refuse(self, error: BusAuthError) -> None:
+        if self.lost is None:
+            self.lost = error
+            log.error("%s", error)
+        self.first.cancel()
+        self.scope.cancel()
 
     async def disconnected(self) -> None:
         if not self.closing and self.nc is not None and not self.nc.is_closed:  # else closed() says it
@@ -205,8 +226,9 @@ class _Watch:
     async def closed(self) -> None:
         if self.closing:
             return
-        self.lost = BusClosedError(self.name, self.nc.last_error if self.nc is not None else None)
-        log.error("%s", self.lost)
+        if self.lost is None:  # else refuse() said why
+            self.lost = BusClosedError(self.name, self.nc.last_error if self.nc is not None else None)
+            log.error("%s", self.lost)
         self.scope.cancel()
 
 

@@ -31,6 +31,7 @@ from switchyard.schemas import subjects
 Role = Literal["scheduler", "worker", "ingress", "admin"]
 
 DEFAULT_INBOX = "_INBOX"
+INGRESS_INBOX = f"{DEFAULT_INBOX}.ingress"  # where an ingress hears the scheduler's answers
 
 
 class Permissions(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,6 +48,9 @@ def scheduler() -> Permissions:
             subjects.kv_snapshot("*"),
             subjects.ROLL_CALL,
             subjects.stream("*"),  # a request's error chunk
+            # Answers to submits, also late ones: a standby answers what it held once it takes
+            # over, maybe on a new connection, where allow_responses no longer covers them.
+            f"{INGRESS_INBOX}.>",
             # JetStream is the scheduler's alone: its KV buckets (sessions, the active
             # scheduler's lease) created, written, read and watched.
             "$JS.API.>",
@@ -71,11 +75,10 @@ def worker(worker_id: str) -> Permissions:
 
 
 def ingress() -> Permissions:
-    inbox = f"{DEFAULT_INBOX}.ingress"
     return Permissions(
         publish=(subjects.SUBMIT, subjects.CANCEL),
-        subscribe=(subjects.stream("*"), f"{inbox}.>"),
-        inbox_prefix=inbox,
+        subscribe=(subjects.stream("*"), f"{INGRESS_INBOX}.>"),
+        inbox_prefix=INGRESS_INBOX,
     )
 
 
