@@ -74,3 +74,25 @@ class SchedulerServiceConfig(ConfigStruct, frozen=True, kw_only=True):
     dispatch_timeout_s: Annotated[float, setting("an unanswered dispatch removes its worker after", gt=0)] = 2.0
     snapshot_timeout_s: Annotated[float, setting("how long to wait for a worker's KV snapshot", gt=0)] = 2.0
     snapshot_fetchers: Annotated[int, setting("KV snapshots fetched at once", ge=1)] = 4
+    lease_ttl_s: Annotated[
+        float,
+        setting(
+            "the active scheduler's lease lasts this long unrenewed; a standby takes over within about "
+            "this plus --lease-renew-s of the active one dying",
+            gt=0,
+        ),
+    ] = 1.0
+    lease_renew_s: Annotated[
+        float, setting("the active scheduler renews its lease, and a standby tries to take it, this often", gt=0)
+    ] = 0.25
+    takeover_settle_s: Annotated[
+        float, setting("a scheduler taking over waits at most this long for the workers' roll-call answers", gt=0)
+    ] = 0.5
+    standby_shadow_bytes: Annotated[
+        int, setting("bytes of submits a standby scheduler keeps, to account for them when it takes over", gt=0)
+    ] = 64 << 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lease_renew_s >= self.lease_ttl_s:
+            raise ValueError(f"lease_renew_s ({self.lease_renew_s}) must be less than lease_ttl_s ({self.lease_ttl_s})")

@@ -12,6 +12,13 @@ decode worker, goes from prefill to decode on the same worker with no handoff.
 A request whose worker is lost before prefill finished is queued again (at most the
 first token reached the client, and the ingress drops a repeated seq 0); one lost in
 decode fails with ``worker_lost``: its tokens so far came from sampling we cannot replay.
+
+A scheduler that takes over from another (``scheduler.lease``) rolls call; each worker
+answers with the requests it holds, as the old scheduler charged them
+(``LoadReport.held``), and the core adopts them: the ledger, the decode claims and the
+phases come back as they were, with nothing placed again. An adopted request lacks its
+prompt until its prefill worker sends it with ``PrefillDone``; one that needs placing
+again without it (its worker lost before then) fails with ``scheduler_failover``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from switchyard.schemas import (
     Admitted,
     ClusterStatus,
     DecodeTask,
+    HeldRequest,
     KvEventBatch,
     KvSnapshot,
     LoadReport,
@@ -40,6 +48,7 @@ from switchyard.schemas import (
     Rejected,
     RequestFinished,
     RequestSpec,
+    SamplingParams,
     StreamError,
     WorkerEvent,
     WorkerLeaving,
@@ -355,7 +364,8 @@ class SchedulerCore:
         tracked.phase, tracked.worker_id, tracked.local = "prefill", worker.worker_id, placement.kind == "local"
         tracked.attempts += 1
         queued_s = max(0.0, now - tracked.enqueued_at)
-        task = LocalTask(spec=spec, queued_s=queued_s) if tracked.local else PrefillTask(spec=spec, queued_s=queued_s)
+        kind = LocalTask if tracked.local else PrefillTask
+        task = kind(spec=spec, queued_s=queued_s, charged_tokens=placement.tokens)
         actions: list[Action] = [Dispatch(worker.worker_id, task)]
         if spec.session is not None and not tracked.local:
             actions.append(BindSession(self.sessions.bind(spec.tenant, spec.session, worker.worker_id, now)))
@@ -369,6 +379,8 @@ class SchedulerCore:
         tracked = self.requests.get(done.request_id)
         if tracked is None or tracked.phase != "prefill" or tracked.worker_id != done.worker_id:
             return []  # cancelled meanwhile, or a stale result of a retried attempt
+        if tracked.adopted and done.spec is not None:
+            self._learn_spec(tracked, done.spec)
         worker = self.workers[done.worker_id]
         worker.release(done.request_id)
         self._capacity_changed()
@@ -384,9 +396,22 @@ class SchedulerCore:
                 worker.assign(done.request_id, tracked.decode_tokens)
             tracked.phase, tracked.decode_started = "decode", now
             return self._drain_prefill(now)
+        if tracked.adopted:  # nothing to hand a decode worker: the prompt never came
+            return self._retry_or_fail(tracked, "scheduler_failover", now) + self._drain(now)
         tracked.phase, tracked.worker_id = "awaiting_decode", None
         self._decode_wait.append(done.request_id)
         return self._drain(now)
+
+    def learn_spec(self, spec: RequestSpec) -> None:
+        """The prompt of a request adopted without it (a standby had kept its submit)."""
+        tracked = self.requests.get(spec.request_id)
+        if tracked is not None and tracked.adopted:
+            self._learn_spec(tracked, spec)
+
+    def _learn_spec(self, tracked: Tracked, spec: RequestSpec) -> None:
+        self._decode_demand -= tracked.decode_tokens
+        tracked.spec, tracked.adopted = spec, False
+        self._decode_demand += tracked.decode_tokens
 
     def _on_prefill_failed(self, failed: PrefillFailed, now: float) -> list[Action]:
         tracked = self.requests.get(failed.request_id)
@@ -426,7 +451,13 @@ class SchedulerCore:
         tracked.phase, tracked.worker_id = "decode", worker.worker_id
         tracked.decode_started = now
         tracked.attempts += 1
-        task = DecodeTask(spec=tracked.spec, handle=done.handle, first_token=done.first_token, usage=done.usage)
+        task = DecodeTask(
+            spec=tracked.spec,
+            handle=done.handle,
+            first_token=done.first_token,
+            usage=done.usage,
+            charged_tokens=tracked.decode_tokens,
+        )
         return Dispatch(worker.worker_id, task)
 
     # --- workers ---------------------------------------------------------------------
@@ -461,7 +492,38 @@ class SchedulerCore:
         known = self.index.last_seq(report.worker_id)
         if known is not None and report.kv_seq > known:  # its last batch never reached us
             actions += self._ask_snapshot(report.worker_id)
+        for held in report.held or []:
+            self._adopt(worker, held, now)
         return actions + self._drain(now)
+
+    def _adopt(self, worker: WorkerState, held: HeldRequest, now: float) -> None:
+        """A request the worker holds for the scheduler before us (see the module's note)."""
+        rid = held.request_id
+        if rid in self.requests:
+            return  # ours already: placed since we rolled call
+        # What the ledger and the stream need; its prompt comes with its PrefillDone.
+        spec = RequestSpec(
+            request_id=rid,
+            ingress_id=held.ingress_id,
+            model="",
+            prompt_tokens=[],
+            block_size=worker.block_size,
+            block_keys=[],
+            sampling=SamplingParams(max_tokens=held.decode_tokens),
+        )
+        self._arrivals += 1
+        tracked = Tracked(spec=spec, enqueued_at=now, order=self._arrivals, adopted=True)
+        tracked.phase, tracked.worker_id, tracked.local, tracked.attempts = held.phase, worker.worker_id, held.local, 1
+        if held.phase == "decode":
+            tracked.decode_started = now
+        self.requests[rid] = tracked
+        self._decode_demand += tracked.decode_tokens
+        worker.assign(rid, held.tokens)
+        self._capacity_changed()
+
+    def ledger(self) -> dict[str, dict[str, int]]:
+        """Each worker's ledger: request -> tokens charged (for tests and diagnostics)."""
+        return {w.worker_id: {**w.assigned, **w.held} for w in self.workers.values() if w.assigned or w.held}
 
     def _ask_snapshot(self, worker_id: str) -> list[Action]:
         if worker_id not in self.workers or worker_id in self._snapshots_asked:
@@ -490,7 +552,7 @@ class SchedulerCore:
 
     def _retry_or_fail(self, tracked: Tracked, code: str, now: float) -> list[Action]:
         rid = tracked.spec.request_id
-        can_retry = tracked.attempts < self.config.max_dispatch_attempts
+        can_retry = tracked.attempts < self.config.max_dispatch_attempts and not tracked.adopted
         if tracked.phase == "prefill" and can_retry:
             self._queue.push(tracked, front=True)
             self._capacity_changed()  # a new head

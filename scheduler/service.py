@@ -16,6 +16,17 @@ goes into a bounded stream, and a few fetcher tasks of the service's own task gr
 carry the requests out and feed each answer (or its failure) back to the core. A
 fresh scheduler thus rebuilds the whole index from the running workers: its roll call
 registers them, and each registration asks a snapshot.
+
+Replicas: only the one holding the lease (``scheduler.lease``) is active. Every replica
+hears every submit (a plain subscription: only the active one answers), every worker
+event and every cancel; a standby answers nothing, dispatches nothing, and keeps the
+submits it heard until they end (``scheduler.standby``). It tries for the lease every
+``lease_renew_s``; once it has it, it starts as a fresh scheduler does (sessions from
+their bucket, the index and the ledger from the workers' answers to its roll call),
+waits up to ``takeover_settle_s`` for those answers, settles the submits it kept, and
+only then answers submits. A scheduler that loses its lease raises ``LeaseLostError``
+out of ``run()`` (its supervisor starts it again, as a standby); every dispatch and
+every answer checks the lease first, so a scheduler whose lease lapsed places nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from dataclasses import dataclass
 import anyio
 import msgspec
 import nats.errors
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
@@ -45,16 +56,28 @@ from switchyard.scheduler.core import (
     RequestSnapshot,
     SchedulerCore,
 )
+from switchyard.scheduler.lease import LeaseKeeper, LeaseLostError, LeaseState
 from switchyard.scheduler.session_store import SessionStore
 from switchyard.scheduler.sessions import Binding
+from switchyard.scheduler.standby import Shadowed, SubmitShadow, settlement
 from switchyard.schemas import (
     KvSnapshot,
     KvSnapshotRequest,
+    LoadReport,
+    PrefillDone,
+    PrefillFailed,
+    Rejected,
+    RequestFinished,
+    RequestSpec,
     RollCall,
+    SchedulerReply,
     StatusRequest,
     StreamBatch,
     StreamChunk,
+    StreamError,
     SubmitRequest,
+    WorkerEvent,
+    WorkerLeaving,
     codec,
     subjects,
 )
@@ -94,56 +117,167 @@ class SchedulerService:
         self._snapshots_send, self._snapshots_receive = anyio.create_memory_object_stream[str](_SNAPSHOT_QUEUE)
         self._bindings_send, self._bindings_receive = anyio.create_memory_object_stream[Binding](_SNAPSHOT_QUEUE)
         self._sessions = SessionStore.disabled()
+        self.lease = LeaseState(config.lease_ttl_s, config.lease_renew_s)
+        self.active = anyio.Event()  # set once it holds the lease and its subscriptions are up
+        self._settled = anyio.Event()  # and the takeover is settled: it answers submits
+        self._shadow = SubmitShadow(config.standby_shadow_bytes)
+        self._answered: set[str] = set()  # workers that answered this scheduler's roll call
+        self._answer = anyio.Event()  # set at each answer
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Ready (``task_status``) once active, or once standing by behind an active one."""
         async with connect(self.config.nats_url, self.scheduler_id, self.stats, self.config.nats_client) as nc:
             self._nc = nc
-            async with anyio.create_task_group() as tg:
-                submits = await subscribe(nc, subjects.SUBMIT, queue=subjects.SCHEDULER_QUEUE)
-                events = await subscribe(nc, subjects.WORKER_EVENTS)
-                cancels = await subscribe(nc, subjects.CANCEL)
-                acks = await subscribe(nc, f"{self._ack_inbox}.*")
-                kv_events = await subscribe(nc, subjects.KV_EVENTS)
-                await self._restore_sessions(nc)
-                tg.start_soon(self._persist_sessions)
-                tg.start_soon(self._serve_submits, submits)
-                tg.start_soon(self._serve_events, events)
-                tg.start_soon(self._serve_cancels, cancels)
-                tg.start_soon(self._serve_acks, acks)
-                tg.start_soon(self._serve_kv_events, kv_events)
-                for _ in range(self.config.snapshot_fetchers):
-                    tg.start_soon(self._fetch_snapshots)
-                tg.start_soon(self._tick)
-                await nc.flush()
-                # Workers that were up before us register now instead of at their next beat.
-                await nc.publish(subjects.ROLL_CALL, codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
-                log.info("scheduler %s ready on %s", self.scheduler_id, redacted(self.config.nats_url))
-                task_status.started()
+            lease = LeaseKeeper(nc, self.scheduler_id, self.lease, self._clock)
+            await lease.open()
+            try:
+                async with anyio.create_task_group() as tg:
+                    await self._listen(nc, tg)
+                    if not await lease.try_once():
+                        log.info("scheduler %s standing by: another scheduler holds the lease", self.scheduler_id)
+                        task_status.started()
+                        task_status = anyio.TASK_STATUS_IGNORED
+                        await lease.acquire()
+                        log.info("scheduler %s took the lease over", self.scheduler_id)
+                    await self._activate(nc, tg, lease)
+                    task_status.started()
+            finally:
+                await lease.release()
+
+    async def _listen(self, nc: Client, tg: TaskGroup) -> None:
+        """What every replica hears, active or not (see the module's note)."""
+        submits = await subscribe(nc, subjects.SUBMIT)
+        events = await subscribe(nc, subjects.WORKER_EVENTS)
+        cancels = await subscribe(nc, subjects.CANCEL)
+        tg.start_soon(self._serve_submits, submits)
+        tg.start_soon(self._serve_events, events)
+        tg.start_soon(self._serve_cancels, cancels)
+        await nc.flush()
+
+    async def _activate(self, nc: Client, tg: TaskGroup, lease: LeaseKeeper) -> None:
+        """The lease is ours: become the active scheduler."""
+        tg.start_soon(lease.keep)
+        acks = await subscribe(nc, f"{self._ack_inbox}.*")
+        kv_events = await subscribe(nc, subjects.KV_EVENTS)
+        await self._restore_sessions(nc)
+        tg.start_soon(self._persist_sessions)
+        tg.start_soon(self._serve_acks, acks)
+        tg.start_soon(self._serve_kv_events, kv_events)
+        for _ in range(self.config.snapshot_fetchers):
+            tg.start_soon(self._fetch_snapshots)
+        tg.start_soon(self._tick)
+        await nc.flush()
+        self.active.set()  # from here on, events feed the core
+        # Workers that were up before us register now instead of at their next beat, and
+        # say what they hold for the scheduler before us.
+        await nc.publish(subjects.ROLL_CALL, codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
+        await self._take_over()
+        self._settled.set()
+        log.info("scheduler %s ready on %s", self.scheduler_id, redacted(self.config.nats_url))
+
+    async def _take_over(self) -> None:
+        """Wait for the workers' answers, then settle every submit the standby kept."""
+        expected = self._shadow.live_workers(self._clock(), self.config.core.worker_expiry_s)
+        with anyio.move_on_after(self.config.takeover_settle_s):
+            while not expected <= self._answered:
+                self._answer = anyio.Event()
+                await self._answer.wait()
+        if missing := expected - self._answered:
+            log.warning("taking over without the roll-call answers of %s", ", ".join(sorted(missing)))
+        entries = self._shadow.take()
+        if self._shadow.evicted:
+            log.warning("%d submits were not kept while standing by (no room)", self._shadow.evicted)
+        for entry in entries:
+            await self._settle(entry)
+
+    async def _settle(self, entry: Shadowed) -> None:
+        request = codec.SCHEDULER_REQUEST.decode(entry.data)
+        assert isinstance(request, SubmitRequest)
+        spec = request.spec
+        outcome = settlement(entry, spec.request_id in self.core.requests, self.lease.acquired_at)
+        if outcome == "adopted":  # a worker holds it
+            self.core.learn_spec(spec)
+        elif outcome == "admit":  # nobody answered it: we do, late
+            await self._admit(spec, entry.headers, entry.reply)
+        else:  # queued, rejected or failed by the scheduler before us: we cannot tell
+            error = StreamError(
+                code="scheduler_failover",
+                message=f"request {spec.request_id} was waiting when its scheduler failed over; retry it",
+            )
+            await self._fail_stream(FailStream(spec.ingress_id, spec.request_id, error))
+            if entry.reply:  # its submitter, if it still waits: try again in a moment
+                rejected = Rejected(
+                    request_id=spec.request_id, reason="overloaded", message=error.message, retry_after_s=1.0
+                )
+                await self._reply(entry.reply, rejected)
+
+    def _fence(self) -> None:
+        """Place nothing, answer nothing, once the lease may be someone else's."""
+        if not self.lease.held(self._clock()):
+            raise LeaseLostError(f"scheduler {self.scheduler_id}'s lease lapsed")
 
     # --- inputs --------------------------------------------------------------------
 
     async def _serve_submits(self, sub: Subscription) -> None:
         async for msg, request in decoded(sub, codec.SCHEDULER_REQUEST, "scheduler request"):
+            if not self.active.is_set():
+                if isinstance(request, SubmitRequest):
+                    self._keep(msg.data, request.spec, msg.reply, dict(msg.headers or {}))
+                continue
+            await self._settled.wait()
             match request:
                 case SubmitRequest(spec=spec):
-                    ctx = tracing.extract(msg.headers)
-                    with tracing.tracer().start_as_current_span("scheduler.admit", context=ctx) as span:
-                        span.set_attribute("switchyard.request_id", spec.request_id)
-                        span.set_attribute("switchyard.prompt_tokens", len(spec.prompt_tokens))
-                        self._trace_headers[spec.request_id] = dict(msg.headers or {})
-                        reply, actions = self.core.submit(spec, self._clock())
-                        span.set_attribute("switchyard.admission", type(reply).__name__.lower())
-                    await self._act(actions)  # the dispatch first: it is on the token's path
-                    await msg.respond(codec.SCHEDULER_REPLY.encode(reply))
+                    await self._admit(spec, dict(msg.headers or {}), msg.reply)
                 case StatusRequest():
-                    await msg.respond(codec.SCHEDULER_REPLY.encode(self.core.status()))
+                    self._fence()
+                    await self._reply(msg.reply, self.core.status())
+
+    def _keep(self, data: bytes, spec: RequestSpec, reply: str | None, headers: dict[str, str]) -> None:
+        self._shadow.submitted(Shadowed(spec.request_id, data, reply or None, headers, self._clock()))
+
+    async def _admit(self, spec: RequestSpec, headers: dict[str, str], reply_to: str | None) -> None:
+        ctx = tracing.extract(headers)
+        with tracing.tracer().start_as_current_span("scheduler.admit", context=ctx) as span:
+            span.set_attribute("switchyard.request_id", spec.request_id)
+            span.set_attribute("switchyard.prompt_tokens", len(spec.prompt_tokens))
+            self._trace_headers[spec.request_id] = headers
+            self._fence()
+            reply, actions = self.core.submit(spec, self._clock())
+            span.set_attribute("switchyard.admission", type(reply).__name__.lower())
+        await self._act(actions)  # the dispatch first: it is on the token's path
+        await self._reply(reply_to, reply)
+
+    async def _reply(self, reply_to: str | None, reply: SchedulerReply) -> None:
+        if reply_to:
+            assert self._nc is not None
+            await self._nc.publish(reply_to, codec.SCHEDULER_REPLY.encode(reply))
 
     async def _serve_events(self, sub: Subscription) -> None:
         async for _, event in decoded(sub, codec.WORKER_EVENT, "worker event"):
+            if not self.active.is_set():
+                self._shadow_event(event)
+                continue
+            if isinstance(event, LoadReport) and event.held is not None:
+                self._answered.add(event.worker_id)
+                self._answer.set()
             await self._act(self.core.on_event(event, self._clock()))
+
+    def _shadow_event(self, event: WorkerEvent) -> None:
+        match event:
+            case LoadReport(worker_id=worker_id):
+                self._shadow.worker_heard(worker_id, self._clock())
+            case WorkerLeaving(worker_id=worker_id):
+                self._shadow.worker_left(worker_id)
+            case RequestFinished(request_id=rid) | PrefillFailed(request_id=rid):
+                self._shadow.ended(rid)
+            case PrefillDone(request_id=rid, finished=True):
+                self._shadow.ended(rid)
 
     async def _serve_cancels(self, sub: Subscription) -> None:
         async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):
+            if not self.active.is_set():
+                self._shadow.ended(cancel.request_id)
+                continue
             await self._act(self.core.on_cancel(cancel.request_id, self._clock()))
 
     async def _serve_acks(self, sub: Subscription) -> None:
@@ -270,6 +404,7 @@ class SchedulerService:
 
     async def _dispatch(self, action: Dispatch) -> None:
         assert self._nc is not None
+        self._fence()
         rid = action.task.spec.request_id
         kind = type(action.task).__name__.removesuffix("Task").lower()
         ctx = tracing.extract(self._trace_headers.get(rid))

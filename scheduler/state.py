@@ -3,7 +3,9 @@
 The ledger (``WorkerState.assigned``) is the scheduler's own account of the tokens it
 placed on a worker and has not yet seen released. Placement reads the ledger, not the
 last heartbeat, so two requests arriving between heartbeats never both see an idle
-worker. Heartbeats keep workers alive and carry their budgets.
+worker. Heartbeats keep workers alive and carry their budgets. Each task tells its
+worker what it was charged (``charged_tokens``), and a worker answers a roll call with
+those figures (``HeldRequest``): a scheduler taking over rebuilds this very ledger.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class Tracked:
     local: bool = False  # prefilled by the worker that decodes it (no handoff)
     prefill: PrefillDone | None = None  # set once prefill is done, for decode (re)placement
     decode_started: float | None = None  # when its decode was placed, to learn decode durations
+    # Taken over from a scheduler that died: its spec has no prompt (see core's module note).
+    adopted: bool = False
 
     @property
     def prompt_tokens(self) -> int:

@@ -24,12 +24,13 @@ SwitchyardError
 │   └── EngineError                   an engine failed a request, or one of its own tasks died
 ├── TracingError                      switchyard.observability.tracing: an exporter this install lacks
 ├── BusClosedError                    switchyard.observability.bus: the NATS server closed a connection for good
+├── LeaseLostError                    switchyard.scheduler.lease: an active scheduler's lease lapsed or was taken
 ├── ConfigError (+ ValueError)        switchyard.settings: a setting that cannot be used (name, source, why)
 ├── ProcessError                      switchyard.procs: a child process did not start or get ready
 ├── TraceError (+ ValueError)         switchyard.bench.traces: a benchmark trace that cannot be read
 └── DocError (+ ValueError)           switchyard.bench.simdoc: doc markers without results
 
-The scheduler and kvbus raise no error of their own: their argument checks are
+Beyond a lost lease, the scheduler and kvbus raise no error of their own: their argument checks are
 ``ValueError``s, as Python's are. Expected outcomes ("no capacity", "rejected") are
 message variants on the bus, never exceptions. Where callers already catch a builtin
 (``ValueError``), a class keeps it as a second base.

@@ -171,6 +171,9 @@ class PromptUsage(_Wire, frozen=True):
 class PrefillTask(_Wire, frozen=True, tag="prefill"):
     spec: RequestSpec
     queued_s: float
+    # What the scheduler's ledger charged the worker for it, reported back in ``HeldRequest``
+    # so that a scheduler taking over counts what the one before counted (None: not said).
+    charged_tokens: int | None = None
 
 
 class DecodeTask(_Wire, frozen=True, tag="decode"):
@@ -178,6 +181,7 @@ class DecodeTask(_Wire, frozen=True, tag="decode"):
     handle: KvHandle
     first_token: int  # already streamed by the prefill worker (seq 0)
     usage: PromptUsage
+    charged_tokens: int | None = None  # see PrefillTask
 
 
 class LocalTask(_Wire, frozen=True, tag="local"):
@@ -186,6 +190,7 @@ class LocalTask(_Wire, frozen=True, tag="local"):
 
     spec: RequestSpec
     queued_s: float
+    charged_tokens: int | None = None  # see PrefillTask
 
 
 WorkerTask = PrefillTask | DecodeTask | LocalTask
@@ -198,6 +203,18 @@ class TaskAck(_Wire, frozen=True):
 
 
 # --- workers -> scheduler (publish on WORKER_EVENTS) ------------------------------
+
+
+class HeldRequest(_Wire, frozen=True):
+    """One request a worker holds, as the scheduler that placed it charged it: what a
+    scheduler taking over needs to rebuild its ledger without restarting anything."""
+
+    request_id: str
+    ingress_id: str
+    phase: Literal["prefill", "decode"]
+    tokens: int  # the scheduler's ledger for it (``charged_tokens`` of its task)
+    decode_tokens: int  # prompt + max_tokens: its claim on decode capacity
+    local: bool = False  # a LocalTask: prefilled where it decodes
 
 
 class LoadReport(_Wire, frozen=True, tag="load"):
@@ -217,6 +234,8 @@ class LoadReport(_Wire, frozen=True, tag="load"):
     kv_capacity_tokens: int = 0  # KV tokens it can hold decoding; 0: its token_budget (decode)
     boot_s: float = 0.0  # how long its engine took to start, before it first reported
     stats: EngineStats | None = None  # an engine that counts (vllm)
+    # Every request it holds, in answer to a roll call (None in an ordinary heartbeat).
+    held: list[HeldRequest] | None = None
 
 
 class PrefillDone(_Wire, frozen=True, tag="prefill_done"):
@@ -226,6 +245,9 @@ class PrefillDone(_Wire, frozen=True, tag="prefill_done"):
     first_token: int
     usage: PromptUsage
     finished: bool  # True when the first token already ended the request
+    # The request itself, when the scheduler that placed it is gone: the one that took
+    # over learned of it from a roll call (``HeldRequest``), without its prompt.
+    spec: RequestSpec | None = None
 
 
 class PrefillFailed(_Wire, frozen=True, tag="prefill_failed"):
@@ -347,6 +369,7 @@ __all__ = [
     "DecodeTask",
     "EngineStats",
     "FinishReason",
+    "HeldRequest",
     "KvEvent",
     "KvEventBatch",
     "KvHandle",

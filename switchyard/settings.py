@@ -61,6 +61,9 @@ class UpConfig(ConfigStruct, frozen=True, kw_only=True):
     engine: Annotated[Literal["sim", "vllm"], setting("the workers' engine: sim (a cost model) or vllm")] = "sim"
     prefill: Annotated[int, setting("prefill workers", gt=0)] = 1
     decode: Annotated[int, setting("decode workers", gt=0)] = 1
+    schedulers: Annotated[
+        int, setting("scheduler replicas: one active (it holds the lease), the others standing by", gt=0)
+    ] = 1
     ready_timeout_s: Annotated[
         float, setting("how long the stack may take to serve; default: 60 s, or 600 s for vllm", gt=0)
     ] = 60.0

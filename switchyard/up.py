@@ -84,7 +84,10 @@ def plan(sources: Sources) -> Plan:
     scheduler = settings.resolve(SchedulerServiceConfig, sources, "scheduler", fixed=fixed)
     ingress = settings.resolve(IngressConfig, sources, "ingress", defaults=defaults, fixed=fixed)
     _check_keys_match(engine, ingress)
-    children = [_child("scheduler", "scheduler", sources, scheduler)]
+    # One scheduler is "scheduler"; replicas are scheduler-0.., one active (see scheduler.lease).
+    replicas = up_cfg.config.schedulers
+    names = ["scheduler"] if replicas == 1 else [f"scheduler-{i}" for i in range(replicas)]
+    children = [_child(name, "scheduler", sources, scheduler) for name in names]
     for role, count in (("prefill", up_cfg.config.prefill), ("decode", up_cfg.config.decode)):
         worker = settings.resolve(
             WorkerConfig, sources, "worker", defaults=defaults, fixed=fixed | {"role": role, "engine": engine}

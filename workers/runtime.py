@@ -4,6 +4,13 @@
 subscription (request/reply: accept or refuse, then work), cancels, roll calls, KV
 snapshot requests, and the role's own engine loop. Roles plug in through ``Role``.
 
+Every task the worker accepted stays in its ``HeldLedger`` until the worker says it is
+done with it (``PrefillDone``, ``PrefillFailed``, ``RequestFinished``) or hears it
+cancelled. A roll call (a scheduler has just become active) is answered with the whole
+ledger, each request as the scheduler charged it, so the new scheduler rebuilds the
+ledger the old one kept; and a prefill that finishes for a scheduler that is gone
+carries its request (``PrefillDone.spec``), which the new one could not know.
+
 The worker's KV cache reaches the scheduler's prefix index through one ``KvReporter``
 (``workers.kv_events``): the role publishes its changes with ``WorkerBus.kv_changes``
 after each engine batch; the runtime answers ``KvSnapshotRequest`` from the same
@@ -17,9 +24,11 @@ import contextlib
 import logging
 from collections import OrderedDict
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
@@ -28,7 +37,13 @@ from nats.errors import MaxPayloadError
 from switchyard.observability import BusStats, connect, decoded, subscribe
 from switchyard.schemas import (
     EngineStats,
+    HeldRequest,
     LoadReport,
+    LocalTask,
+    PrefillDone,
+    PrefillFailed,
+    PrefillTask,
+    RequestFinished,
     StreamBatch,
     StreamChunk,
     TaskAck,
@@ -84,13 +99,79 @@ class CachingRole(Protocol):
     def kv_cache(self) -> KvCacheView: ...
 
 
+@dataclass(slots=True)
+class _Held:
+    task: WorkerTask
+    decoding: bool = False  # a local task past its prefill
+    orphaned: bool = False  # placed by a scheduler that has since been replaced
+
+    def report(self) -> HeldRequest:
+        spec = self.task.spec
+        decode_tokens = len(spec.prompt_tokens) + spec.sampling.max_tokens
+        prefill = isinstance(self.task, PrefillTask) or (isinstance(self.task, LocalTask) and not self.decoding)
+        charged = self.task.charged_tokens
+        if charged is None:  # a scheduler that does not say: what it would have charged
+            charged = len(spec.prompt_tokens) if isinstance(self.task, PrefillTask) else decode_tokens
+        return HeldRequest(
+            request_id=spec.request_id,
+            ingress_id=spec.ingress_id,
+            phase="prefill" if prefill else "decode",
+            tokens=charged,
+            decode_tokens=decode_tokens,
+            local=isinstance(self.task, LocalTask),
+        )
+
+
+class HeldLedger:
+    """The requests this worker holds for the scheduler (see the module's note)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
+        self._scheduler: str | None = None
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def accepted(self, task: WorkerTask) -> None:
+        self._held[task.spec.request_id] = _Held(task)
+
+    def cancelled(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    def roll_call(self, scheduler_id: str) -> list[HeldRequest]:
+        """A scheduler became active: what it must adopt. Tasks held so far came from
+        another one (a standby never dispatches)."""
+        if scheduler_id != self._scheduler:
+            self._scheduler = scheduler_id
+            for held in self._held.values():
+                held.orphaned = True
+        return [held.report() for held in self._held.values()]
+
+    def sent(self, event: WorkerEvent) -> WorkerEvent:
+        """Account for an event on its way out; the event to send in its place."""
+        match event:
+            case PrefillDone(request_id=rid):
+                held = self._held.get(rid)
+                if held is None:
+                    return event
+                if event.finished or isinstance(held.task, PrefillTask):
+                    del self._held[rid]
+                else:
+                    held.decoding = True
+                return msgspec.structs.replace(event, spec=held.task.spec) if held.orphaned else event
+            case PrefillFailed(request_id=rid) | RequestFinished(request_id=rid):
+                self._held.pop(rid, None)
+        return event
+
+
 class WorkerBus:
     """The worker's outbound side, handed to its role."""
 
-    def __init__(self, nc: Client, config: WorkerConfig, kv: KvReporter) -> None:
+    def __init__(self, nc: Client, config: WorkerConfig, kv: KvReporter, held: HeldLedger | None = None) -> None:
         self.nc = nc
         self.config = config
         self.kv = kv
+        self.held = held if held is not None else HeldLedger()
 
     async def kv_changes(self) -> None:
         """Publish what the engine's cache stored and evicted since last time, if anything."""
@@ -99,6 +180,7 @@ class WorkerBus:
             await self.nc.publish(subjects.KV_EVENTS, codec.KV_EVENTS.encode(batch))
 
     async def event(self, event: WorkerEvent) -> None:
+        event = self.held.sent(event)
         await self.nc.publish(subjects.WORKER_EVENTS, codec.WORKER_EVENT.encode(event))
 
     async def stream(self, ingress_id: str, chunks: list[StreamChunk]) -> None:
@@ -115,6 +197,7 @@ class WorkerRuntime:
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         cache = role.kv_cache if isinstance(role, CachingRole) else NoKvCache()
         self.kv = KvReporter(config.worker_id, cache)
+        self.held = HeldLedger()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -131,7 +214,7 @@ class WorkerRuntime:
     async def _run(self, task_status: TaskStatus[None]) -> None:
         cfg = self.config
         async with connect(cfg.nats_url, cfg.worker_id, self.stats, cfg.nats_client) as nc:
-            bus = WorkerBus(nc, cfg, self.kv)
+            bus = WorkerBus(nc, cfg, self.kv, self.held)
             try:
                 async with anyio.create_task_group() as tg:
                     await self._start(tg, nc, bus)
@@ -169,6 +252,8 @@ class WorkerRuntime:
         async for msg, task in decoded(sub, codec.WORKER_TASK, "task"):
             rid = task.spec.request_id
             refusal = "cancelled" if rid in self._cancelled else self.role.offer(task, msg.headers or {})
+            if refusal is None:
+                self.held.accepted(task)
             ack = TaskAck(request_id=rid, accepted=refusal is None, reason=refusal or "")
             await msg.respond(codec.TASK_ACK.encode(ack))
 
@@ -179,10 +264,11 @@ class WorkerRuntime:
             if len(self._cancelled) > _REMEMBERED_CANCELS:
                 self._cancelled.popitem(last=False)
             self.role.cancel(cancel.request_id)
+            self.held.cancelled(cancel.request_id)
 
     async def _serve_roll_calls(self, sub: Subscription, bus: WorkerBus) -> None:
-        async for _ in sub.messages:
-            await self._report(bus)
+        async for _, roll_call in decoded(sub, codec.ROLL_CALL, "roll call"):
+            await self._report(bus, self.held.roll_call(roll_call.scheduler_id))
 
     async def _serve_kv_snapshots(self, sub: Subscription) -> None:
         async for msg in sub.messages:
@@ -200,7 +286,7 @@ class WorkerRuntime:
             await self._report(bus)
             await anyio.sleep(self.config.report_interval_s)
 
-    async def _report(self, bus: WorkerBus) -> None:
+    async def _report(self, bus: WorkerBus, held: list[HeldRequest] | None = None) -> None:
         cfg = self.config
         self._seq += 1
         await bus.event(
@@ -218,6 +304,7 @@ class WorkerRuntime:
                 kv_seq=self.kv.seq,
                 boot_s=self._boot_s(),
                 stats=self._engine_stats(),
+                held=held,
             )
         )
 

@@ -235,7 +235,7 @@ def test_submit_dispatches_prefill_to_least_loaded_worker() -> None:
     h = Harness()
     cluster(h, {"p1": 1000, "p2": 1000, "p3": 1000}, {"d1": 10_000})
     a, b, c = make_spec("a", prompt_len=100), make_spec("b", prompt_len=50), make_spec("c", prompt_len=70)
-    assert h.admit(a) == [Dispatch("p1", PrefillTask(spec=a, queued_s=0.0))]
+    assert h.admit(a) == [Dispatch("p1", PrefillTask(spec=a, queued_s=0.0, charged_tokens=100))]
     assert dispatched(h.admit(b)) == [("b", "p2")]
     assert dispatched(h.admit(c)) == [("c", "p3")]
     assert dispatched(h.admit(make_spec("d", prompt_len=10))) == [("d", "p2")]  # 50 < 70 < 100
@@ -340,7 +340,8 @@ def test_prefill_done_dispatches_decode_to_the_worker_holding_fewest_tokens() ->
     assert dispatched(h.event(prefill_done(first, "p1")), DecodeTask) == [("r1", "d1")]
     done = prefill_done(second, "p1", first_token=4321, cached=16, prefill_s=0.2)
     actions = h.event(done)
-    assert actions == [Dispatch("d2", DecodeTask(spec=second, handle=done.handle, first_token=4321, usage=done.usage))]
+    decode = DecodeTask(spec=second, handle=done.handle, first_token=4321, usage=done.usage, charged_tokens=38)
+    assert actions == [Dispatch("d2", decode)]
     assert (h.load("d1"), h.load("d2")) == (150, 30 + second.sampling.max_tokens)
     assert h.load("p1") == 0
     assert h.phase("r2") == "decode"
@@ -509,7 +510,9 @@ def test_refused_decode_is_retried_with_the_same_handle() -> None:
     actions = h.dispatch_failed("d1", "r")
     retried = dispatches(actions or h.tick(), DecodeTask)
     assert len(retried) == 1
-    assert retried[0].task == DecodeTask(spec=r, handle=done.handle, first_token=999, usage=done.usage)
+    assert retried[0].task == DecodeTask(
+        spec=r, handle=done.handle, first_token=999, usage=done.usage, charged_tokens=32 + 8
+    )
 
 
 def test_dispatch_failure_of_a_replaced_attempt_is_ignored() -> None:

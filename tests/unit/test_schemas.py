@@ -74,9 +74,13 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             queued_tokens=400,
         ),
     ),
-    ("prefill_task", codec.WORKER_TASK, m.PrefillTask(spec=SPEC, queued_s=0.75)),
-    ("decode_task", codec.WORKER_TASK, m.DecodeTask(spec=SPEC, handle=HANDLE, first_token=777, usage=USAGE)),
-    ("local_task", codec.WORKER_TASK, m.LocalTask(spec=SPEC, queued_s=0.25)),
+    ("prefill_task", codec.WORKER_TASK, m.PrefillTask(spec=SPEC, queued_s=0.75, charged_tokens=3)),
+    (
+        "decode_task",
+        codec.WORKER_TASK,
+        m.DecodeTask(spec=SPEC, handle=HANDLE, first_token=777, usage=USAGE, charged_tokens=22),
+    ),
+    ("local_task", codec.WORKER_TASK, m.LocalTask(spec=SPEC, queued_s=0.25, charged_tokens=22)),
     ("task_ack", codec.TASK_ACK, m.TaskAck(request_id="r-42", accepted=True, reason="fine")),
     (
         "load",
@@ -96,12 +100,19 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             kv_capacity_tokens=90_000,
             boot_s=12.5,
             stats=STATS,
+            held=[
+                m.HeldRequest(
+                    request_id="r-42", ingress_id="ing-7", phase="decode", tokens=22, decode_tokens=22, local=True
+                )
+            ],
         ),
     ),
     (
         "prefill_done",
         codec.WORKER_EVENT,
-        m.PrefillDone(worker_id="p-1", request_id="r-42", handle=HANDLE, first_token=777, usage=USAGE, finished=True),
+        m.PrefillDone(
+            worker_id="p-1", request_id="r-42", handle=HANDLE, first_token=777, usage=USAGE, finished=True, spec=SPEC
+        ),
     ),
     ("prefill_failed", codec.WORKER_EVENT, m.PrefillFailed(worker_id="p-1", request_id="r-42", message="oom")),
     (

@@ -1,0 +1,192 @@
+"""Which scheduler replica is active: a lease in a JetStream key-value bucket.
+
+Replicas race to create one key (``active``) in a bucket whose TTL is ``lease_ttl_s``;
+the one whose create succeeds is active and renews the key every ``lease_renew_s``
+with a compare-and-set on the revision it holds. A standby tries the create at the same
+interval: it succeeds once the active one deleted the key (a clean exit) or the server
+expired it (the active one died or lost NATS), so a standby takes over within about
+``lease_ttl_s + lease_renew_s`` of the active one's last renewal.
+
+Fencing: the holder counts its lease from when it *sent* its last accepted write; the
+server counts from when it stored it, later. The holder's own view therefore expires
+first, and it stops dispatching (``LeaseLostError``) before any standby can create the
+key: two replicas never both place work. A renewal the server refuses (another
+revision: the key expired and was taken) ends the lease at once.
+
+Without JetStream on the server there is no lease: the scheduler runs alone, active
+from the start (logged), as it runs without persisted sessions there.
+
+``LeaseState`` is the decision, on a clock passed in (tested with a fake one);
+``LeaseKeeper`` carries it out on the bus.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+import nats.errors
+from nats.aio.client import Client
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, ServiceUnavailableError
+from nats.js.kv import KeyValue
+
+from switchyard.schemas import SwitchyardError
+
+log = logging.getLogger(__name__)
+
+BUCKET = "switchyard_scheduler_lease"
+KEY = "active"
+
+LeasePhase = Literal["standby", "active", "lost"]
+
+
+class LeaseLostError(SwitchyardError):
+    """This scheduler was active and no longer holds the lease: it must stop placing work."""
+
+
+@dataclass
+class LeaseState:
+    """The lease as this replica sees it. ``standby`` -> ``active`` -> ``lost`` (final)."""
+
+    ttl_s: float
+    renew_s: float
+    phase: LeasePhase = "standby"
+    revision: int = 0
+    valid_until: float = float("-inf")  # the holder's own, conservative, expiry
+    next_at: float = float("-inf")  # when to try again (create, or renew)
+    # When this replica learnt it holds the lease: every holder before it had stopped by then.
+    acquired_at: float = float("inf")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.renew_s < self.ttl_s:
+            raise ValueError(f"the lease must be renewed ({self.renew_s} s) more often than it lasts ({self.ttl_s} s)")
+
+    def due(self, now: float) -> bool:
+        return self.phase != "lost" and now >= self.next_at
+
+    def written(self, revision: int, sent_at: float, now: float) -> None:
+        """The server stored our create or renewal, sent at ``sent_at``; we heard at ``now``.
+
+        A create succeeds only once the last holder's key expired (or was deleted), and a
+        holder fences itself before its key can expire: by ``now`` it had stopped."""
+        if self.phase == "lost":
+            return
+        if self.phase == "standby":
+            self.acquired_at = now
+        self.phase, self.revision = "active", revision
+        self.valid_until = sent_at + self.ttl_s
+        self.next_at = sent_at + self.renew_s
+
+    def refused(self, now: float) -> None:
+        """The key is someone else's (create: it exists; renewal: another revision)."""
+        if self.phase == "active":
+            self.phase = "lost"
+        self.next_at = now + self.renew_s
+
+    def failed(self, now: float) -> None:
+        """No answer (NATS down, slow, bucket gone): try again; the lease may lapse meanwhile."""
+        self.next_at = now + self.renew_s
+        self.expire(now)
+
+    def expire(self, now: float) -> None:
+        if self.phase == "active" and now >= self.valid_until:
+            self.phase = "lost"
+
+    def held(self, now: float) -> bool:
+        self.expire(now)
+        return self.phase == "active"
+
+    def unleased(self) -> None:
+        """No lease to be had (no JetStream): active for good, alone."""
+        self.phase, self.valid_until, self.next_at = "active", float("inf"), float("inf")
+        self.acquired_at = float("-inf")
+
+
+class LeaseKeeper:
+    """The lease on the bus: ``acquire`` waits until active, ``keep`` renews until lost."""
+
+    def __init__(self, nc: Client, holder: str, state: LeaseState, clock: Callable[[], float]) -> None:
+        self._nc = nc
+        self.holder = holder
+        self.state = state
+        self._clock = clock
+        self._kv: KeyValue | None = None
+        # Memory storage: a lease means nothing after the server restarts.
+        self._config = KeyValueConfig(bucket=BUCKET, ttl=state.ttl_s, history=1, storage=StorageType.MEMORY)
+
+    def held(self) -> bool:
+        return self.state.held(self._clock())
+
+    async def open(self) -> None:
+        """Find (or create) the bucket; without JetStream, run unleased."""
+        try:
+            await self._bucket()
+        except (nats.errors.NoRespondersError, ServiceUnavailableError) as exc:
+            log.warning("no JetStream (%r): scheduler %s runs alone, with no lease and no standby", exc, self.holder)
+            self.state.unleased()
+        except (nats.errors.Error, OSError) as exc:  # a slow or restarting server: try_once retries
+            log.debug("lease bucket not opened: %r", exc)
+
+    async def try_once(self) -> bool:
+        """One create or renewal now; True while active."""
+        state = self.state
+        if state.next_at == float("inf"):
+            return True  # unleased
+        sent_at = self._clock()
+        try:
+            kv = await self._bucket()
+            value = self.holder.encode()
+            if state.phase == "active":
+                revision = await kv.update(KEY, value, last=state.revision)
+            else:
+                revision = await kv.create(KEY, value)
+        except KeyWrongLastSequenceError:
+            state.refused(self._clock())
+        except (nats.errors.Error, OSError) as exc:  # timeout, no JetStream, bucket gone: retry
+            log.debug("lease write failed: %r", exc)
+            self._kv = None  # opened again (created if missing) on the next try
+            state.failed(self._clock())
+        else:
+            state.written(revision, sent_at, self._clock())
+        return state.held(self._clock())
+
+    async def acquire(self) -> None:
+        """Until this replica holds the lease."""
+        while not await self.try_once():
+            await self._sleep_until_due()
+
+    async def keep(self) -> None:
+        """Renew until the lease is lost, then raise ``LeaseLostError``."""
+        while True:
+            await self._sleep_until_due()  # for ever, unleased
+            if not await self.try_once():
+                raise LeaseLostError(f"scheduler {self.holder} lost its lease")
+
+    async def release(self) -> None:
+        """Delete the key if it is still ours, so a standby takes over at once."""
+        if not self.held() or self._kv is None:
+            return
+        self.state.phase = "lost"
+        with anyio.move_on_after(1, shield=True):
+            try:
+                await self._kv.delete(KEY, last=self.state.revision)
+            except (nats.errors.Error, OSError) as exc:  # it expires on its own
+                log.debug("lease not released: %r", exc)
+
+    async def _sleep_until_due(self) -> None:
+        if self.state.next_at == float("inf"):
+            await anyio.sleep_forever()
+        await anyio.sleep(max(0.0, self.state.next_at - self._clock()))
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            js = self._nc.jetstream()
+            try:
+                self._kv = await js.create_key_value(self._config)
+            except BadRequestError:  # it exists with another TTL (a replica configured otherwise)
+                self._kv = await js.key_value(BUCKET)
+        return self._kv
