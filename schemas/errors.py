@@ -24,6 +24,7 @@ SwitchyardError
 │   └── EngineError                   an engine failed a request, or one of its own tasks died
 ├── TracingError                      switchyard.observability.tracing: an exporter this install lacks
 ├── BusClosedError                    switchyard.observability.bus: the NATS server closed a connection for good
+├── BusAuthError                      switchyard.observability.bus: credentials or a subscription the server refuses
 ├── LeaseLostError                    switchyard.scheduler.lease: an active scheduler's lease lapsed or was taken
 ├── ConfigError (+ ValueError)        switchyard.settings: a setting that cannot be used (name, source, why)
 ├── ProcessError                      switchyard.procs: a child process did not start or get ready
