@@ -402,6 +402,20 @@ class SchedulerCore:
         self._decode_wait.append(done.request_id)
         return self._drain(now)
 
+    def resume_decode(self, spec: RequestSpec, done: PrefillDone, now: float) -> list[Action]:
+        """A request the scheduler before us had prefilled and not yet placed on a decode
+        worker (a standby heard both): it waits for decode room here, from the same handle
+        and token 0, as it did there. Admitted already: no admission check."""
+        if spec.request_id in self.requests:
+            return []
+        self._arrivals += 1
+        tracked = Tracked(spec=spec, enqueued_at=now, order=self._arrivals, prefill=done, attempts=0)
+        tracked.phase = "awaiting_decode"
+        self.requests[spec.request_id] = tracked
+        self._decode_demand += tracked.decode_tokens
+        self._decode_wait.append(spec.request_id)
+        return self._drain(now)
+
     def learn_spec(self, spec: RequestSpec) -> None:
         """The prompt of a request adopted without it (a standby had kept its submit)."""
         tracked = self.requests.get(spec.request_id)

@@ -61,6 +61,7 @@ from switchyard.scheduler.session_store import SessionStore
 from switchyard.scheduler.sessions import Binding
 from switchyard.scheduler.standby import Shadowed, SubmitShadow, settlement
 from switchyard.schemas import (
+    HeldRequest,
     KvSnapshot,
     KvSnapshotRequest,
     LoadReport,
@@ -184,19 +185,24 @@ class SchedulerService:
                 await self._answer.wait()
         if missing := expected - self._answered:
             log.warning("taking over without the roll-call answers of %s", ", ".join(sorted(missing)))
-        entries = self._shadow.take()
+        entries, prefilled = self._shadow.take(), self._shadow.take_prefilled()
         if self._shadow.evicted:
             log.warning("%d submits were not kept while standing by (no room)", self._shadow.evicted)
         for entry in entries:
-            await self._settle(entry)
+            await self._settle(entry, prefilled.get(entry.request_id))
 
-    async def _settle(self, entry: Shadowed) -> None:
+    async def _settle(self, entry: Shadowed, prefill: PrefillDone | None) -> None:
         request = codec.SCHEDULER_REQUEST.decode(entry.data)
         assert isinstance(request, SubmitRequest)
         spec = request.spec
-        outcome = settlement(entry, spec.request_id in self.core.requests, self.lease.acquired_at)
+        known = spec.request_id in self.core.requests
+        outcome = settlement(entry, known, prefill is not None, self.lease.acquired_at)
         if outcome == "adopted":  # a worker holds it
             self.core.learn_spec(spec)
+        elif outcome == "decode":  # prefilled, and no decode worker has it: it waited for one
+            assert prefill is not None
+            self._trace_headers[spec.request_id] = entry.headers
+            await self._act(self.core.resume_decode(spec, prefill, self._clock()))
         elif outcome == "admit":  # nobody answered it: we do, late
             await self._admit(spec, entry.headers, entry.reply)
         else:  # queued, rejected or failed by the scheduler before us: we cannot tell
@@ -257,10 +263,23 @@ class SchedulerService:
             if not self.active.is_set():
                 self._shadow_event(event)
                 continue
+            actions = self.core.on_event(event, self._clock())
             if isinstance(event, LoadReport) and event.held is not None:
                 self._answered.add(event.worker_id)
                 self._answer.set()
-            await self._act(self.core.on_event(event, self._clock()))
+                self._give_prompts(event.held)
+            if not self._settled.is_set():  # the shadow still settles what it kept
+                self._shadow_event(event)
+            await self._act(actions)
+
+    def _give_prompts(self, held: list[HeldRequest]) -> None:
+        """Adopted requests whose submits the standby kept get their prompts at once."""
+        for request in held:
+            entry = self._shadow.get(request.request_id)
+            if entry is not None:
+                submit = codec.SCHEDULER_REQUEST.decode(entry.data)
+                assert isinstance(submit, SubmitRequest)
+                self.core.learn_spec(submit.spec)
 
     def _shadow_event(self, event: WorkerEvent) -> None:
         match event:
@@ -270,8 +289,8 @@ class SchedulerService:
                 self._shadow.worker_left(worker_id)
             case RequestFinished(request_id=rid) | PrefillFailed(request_id=rid):
                 self._shadow.ended(rid)
-            case PrefillDone(request_id=rid, finished=True):
-                self._shadow.ended(rid)
+            case PrefillDone():
+                self._shadow.prefilled(event)
 
     async def _serve_cancels(self, sub: Subscription) -> None:
         async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):

@@ -10,12 +10,14 @@ dropped first.
 
 When it takes over, after the workers answered its roll call, each request it kept is
 (``settlement``) either ours already (a worker held it: adopted, and now given its
-prompt); or heard after this replica acquired the lease, when the old active one had
-certainly stopped: nobody answered it, and it is admitted now, answered late; or it may
-have been answered, queued, rejected or failed by the old one, which we cannot tell
-apart: its stream is failed at once with ``scheduler_failover`` and its submitter, if it
-still waits, gets a 429 with a Retry-After of a second (a clean error the client can
-retry, instead of a stream that waits for its idle timeout).
+prompt); or prefilled (its ``PrefillDone`` was heard) and held by no decode worker: it
+was waiting for decode, and its decode is placed now, from the very handle and token 0
+the old scheduler had; or heard after this replica acquired the lease, when the old
+active one had certainly stopped: nobody answered it, and it is admitted now, answered
+late; or it may have been answered, queued, rejected or failed by the old one, which we
+cannot tell apart: its stream is failed at once with ``scheduler_failover`` and its
+submitter, if it still waits, gets a 429 with a Retry-After of a second (a clean error
+the client can retry, instead of a stream that waits for its idle timeout).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-Settlement = Literal["adopted", "admit", "fail"]
+from switchyard.schemas import PrefillDone
+
+Settlement = Literal["adopted", "decode", "admit", "fail"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,7 @@ class SubmitShadow:
         self._bytes = 0
         self.evicted = 0  # dropped for room: such a request, if still waiting, times out
         self._workers: dict[str, float] = {}  # worker -> last heard
+        self._prefilled: dict[str, PrefillDone] = {}  # kept requests whose prefill was done
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -58,12 +63,24 @@ class SubmitShadow:
         while self._bytes > self.max_bytes and self._entries:
             _, oldest = self._entries.popitem(last=False)
             self._bytes -= len(oldest.data)
+            self._prefilled.pop(oldest.request_id, None)
             self.evicted += 1
 
     def ended(self, request_id: str) -> None:
         entry = self._entries.pop(request_id, None)
         if entry is not None:
             self._bytes -= len(entry.data)
+        self._prefilled.pop(request_id, None)
+
+    def prefilled(self, done: PrefillDone) -> None:
+        """Its token 0 is out and its KV handed over: next, a decode worker (or its end)."""
+        if done.finished:
+            self.ended(done.request_id)
+        elif done.request_id in self._entries:
+            self._prefilled[done.request_id] = done
+
+    def get(self, request_id: str) -> Shadowed | None:
+        return self._entries.get(request_id)
 
     def worker_heard(self, worker_id: str, now: float) -> None:
         self._workers[worker_id] = now
@@ -82,9 +99,15 @@ class SubmitShadow:
         self._bytes = 0
         return entries
 
+    def take_prefilled(self) -> dict[str, PrefillDone]:
+        prefilled, self._prefilled = self._prefilled, {}
+        return prefilled
 
-def settlement(entry: Shadowed, known: bool, acquired_at: float) -> Settlement:
+
+def settlement(entry: Shadowed, known: bool, prefilled: bool, acquired_at: float) -> Settlement:
     """What a scheduler taking over does with a submit its standby kept (see the note)."""
     if known:
         return "adopted"
+    if prefilled:
+        return "decode"
     return "admit" if entry.received_at > acquired_at else "fail"

@@ -37,7 +37,8 @@ def _spec(rid: str, tokens: int = 40, max_tokens: int = 4) -> RequestSpec:
 
 
 def _replica(url: str) -> SchedulerService:
-    return SchedulerService(SchedulerServiceConfig(nats_url=url, core=SchedulerConfig(worker_expiry_s=5)))
+    core = SchedulerConfig(worker_expiry_s=5, decode_overcommit=3.0)  # room to queue for decode
+    return SchedulerService(SchedulerServiceConfig(nats_url=url, core=core))
 
 
 async def _wait(predicate, timeout_s: float = 5.0) -> None:
@@ -115,16 +116,20 @@ async def test_a_takeover_rebuilds_the_ledger_finishes_what_workers_hold_and_fai
     first, second = _replica(nats.url), _replica(nats.url)
     async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
         streams = await _streams(nc, tg)
-        # Room for one prompt of 40 in prefill: a second one waits in the scheduler's queue.
+        # Room for one prompt of 40 in prefill (a second one waits in the scheduler's queue),
+        # and for one decode of 40 + 60 (a second one waits for decode).
         await tg.start(build_worker(worker_config(nats.url, "prefill", cost=slow, token_budget=64)).run)
-        await tg.start(build_worker(worker_config(nats.url, "decode", cost=slow)).run)
+        await tg.start(build_worker(worker_config(nats.url, "decode", cost=slow, token_budget=120)).run)
         async with anyio.create_task_group() as active:
             await active.start(first.run)
             await tg.start(second.run)
             await _wait(lambda: len(first.core.workers) == 2)
-            decoding, prefilling, queued = _spec("decoding", max_tokens=40), _spec("prefilling"), _spec("queued")
+            decoding, waiting = _spec("decoding", max_tokens=60), _spec("waiting")
+            prefilling, queued = _spec("prefilling"), _spec("queued")
             assert isinstance(await _submit(nc, decoding), Admitted)
             await _wait(lambda: first.core.requests["decoding"].phase == "decode")
+            assert isinstance(await _submit(nc, waiting), Admitted)
+            await _wait(lambda: first.core.requests["waiting"].phase == "awaiting_decode")
             assert isinstance(await _submit(nc, prefilling), Admitted)
             assert isinstance(await _submit(nc, queued), Admitted)
             assert first.core.requests["queued"].phase == "queued"
@@ -133,15 +138,20 @@ async def test_a_takeover_rebuilds_the_ledger_finishes_what_workers_hold_and_fai
         switched = time.monotonic()
         await _wait(second._settled.is_set, timeout_s=2.0)
         assert second.core.ledger() == before  # the same tokens, before anything moved on
-        assert {r: t.phase for r, t in second.core.requests.items()} == {"decoding": "decode", "prefilling": "prefill"}
+        phases = {r: t.phase for r, t in second.core.requests.items()}
+        assert phases == {"decoding": "decode", "prefilling": "prefill", "waiting": "awaiting_decode"}
+        assert not any(t.adopted for t in second.core.requests.values())  # the standby had their prompts
         second.core.check_invariants()
         # The queued one existed only in the dead scheduler: failed at once, not left to time out.
         await _wait(lambda: streams.error("queued") is not None, timeout_s=1.0)
         assert streams.error("queued") == "scheduler_failover" and time.monotonic() - switched < 2.0
-        # Those the workers held finish, each token once: nothing was placed twice.
-        await _wait(lambda: streams.finished("decoding") and streams.finished("prefilling"), timeout_s=6)
-        assert streams.positions("decoding") == list(range(40))
-        assert streams.positions("prefilling") == [0, 1, 2, 3]
+        # Those the workers held, and the one that waited for decode, finish, each token once:
+        # nothing was placed twice.
+        done = ("decoding", "waiting", "prefilling")
+        await _wait(lambda: all(streams.finished(r) for r in done), timeout_s=8)
+        assert streams.positions("decoding") == list(range(60))
+        assert streams.positions("waiting") == streams.positions("prefilling") == [0, 1, 2, 3]
+        assert not any(streams.error(r) for r in done)
         await _wait(lambda: not second.core.requests)
         assert second.core.ledger() == {}
         tg.cancel_scope.cancel()

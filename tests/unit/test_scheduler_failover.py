@@ -169,11 +169,37 @@ def test_a_standby_keeps_submits_until_they_end_within_its_bytes():
 
 
 def test_a_takeover_adopts_what_a_worker_holds_admits_what_nobody_answered_and_fails_the_rest():
-    acquired_at = 10.0
-    assert settlement(_kept("held", at=9.0), known=True, acquired_at=acquired_at) == "adopted"
-    assert settlement(_kept("late", at=10.5), known=False, acquired_at=acquired_at) == "admit"
+    at = 10.0
+    assert settlement(_kept("held", at=9.0), known=True, prefilled=True, acquired_at=at) == "adopted"
+    assert settlement(_kept("waited", at=9.0), known=False, prefilled=True, acquired_at=at) == "decode"
+    assert settlement(_kept("late", at=10.5), known=False, prefilled=False, acquired_at=at) == "admit"
     # Heard before the lease was ours: the old active one may have answered, queued or refused it.
-    assert settlement(_kept("early", at=9.9), known=False, acquired_at=acquired_at) == "fail"
+    assert settlement(_kept("early", at=9.9), known=False, prefilled=False, acquired_at=at) == "fail"
+
+
+def test_a_kept_submit_remembers_its_prefill_until_it_ends():
+    shadow = SubmitShadow(max_bytes=100)
+    a, b = make_spec("a"), make_spec("b")
+    for rid in ("a", "b"):
+        shadow.submitted(_kept(rid))
+    shadow.prefilled(prefill_done(a, "p0"))
+    shadow.prefilled(prefill_done(b, "p0", finished=True))  # token 0 ended it
+    shadow.prefilled(prefill_done(make_spec("never-kept"), "p0"))
+    assert [e.request_id for e in shadow.take()] == ["a"]
+    assert list(shadow.take_prefilled()) == ["a"]
+
+
+def test_a_request_that_waited_for_decode_resumes_from_the_same_handle():
+    clock = FakeClock()
+    new = _core(clock)
+    spec = make_spec("waited", prompt_len=40)
+    done = prefill_done(spec, "p0", first_token=4321)
+    actions = new.resume_decode(spec, done, clock.now)
+    assert [(a.worker_id, a.task) for a in actions if isinstance(a, Dispatch)] == [
+        ("d0", DecodeTask(spec=spec, handle=done.handle, first_token=4321, usage=done.usage, charged_tokens=48))
+    ]
+    assert new.resume_decode(spec, done, clock.now) == []  # known already: nothing twice
+    new.check_invariants()
 
 
 def test_the_workers_a_takeover_waits_for_are_those_heard_lately():
