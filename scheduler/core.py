@@ -416,6 +416,20 @@ class SchedulerCore:
         self._decode_wait.append(spec.request_id)
         return self._drain(now)
 
+    def requeue(self, spec: RequestSpec, enqueued_at: float, now: float) -> list[Action]:
+        """A request the scheduler before us had admitted and queued (a standby heard its
+        submit and the answer): queued here in its turn (``enqueued_at``, so a deadline
+        counts from its arrival), with no second admission."""
+        if spec.request_id in self.requests:
+            return []
+        self._arrivals += 1
+        tracked = Tracked(spec=spec, enqueued_at=enqueued_at, order=self._arrivals)
+        self.requests[spec.request_id] = tracked
+        self._decode_demand += tracked.decode_tokens
+        self._queue.push(tracked)
+        self._capacity_changed()
+        return self._drain(now)
+
     def learn_spec(self, spec: RequestSpec) -> None:
         """The prompt of a request adopted without it (a standby had kept its submit)."""
         tracked = self.requests.get(spec.request_id)

@@ -24,9 +24,10 @@ submits it heard until they end (``scheduler.standby``). It tries for the lease 
 ``lease_renew_s``; once it has it, it starts as a fresh scheduler does (sessions from
 their bucket, the index and the ledger from the workers' answers to its roll call),
 waits up to ``takeover_settle_s`` for those answers, settles the submits it kept, and
-only then answers submits. A scheduler that loses its lease raises ``LeaseLostError``
-out of ``run()`` (its supervisor starts it again, as a standby); every dispatch and
-every answer checks the lease first, so a scheduler whose lease lapsed places nothing.
+only then answers submits. Every dispatch and every answer waits for the lease first: a
+scheduler whose lease lapsed (NATS was away) places nothing until it holds the lease
+again, and one that lost it to another replica raises ``LeaseLostError`` out of
+``run()`` (its supervisor starts it again, as a standby).
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ from switchyard.scheduler.core import (
     RequestSnapshot,
     SchedulerCore,
 )
-from switchyard.scheduler.lease import LeaseKeeper, LeaseLostError, LeaseState
+from switchyard.scheduler.lease import LeaseKeeper, LeaseState
 from switchyard.scheduler.session_store import SessionStore
 from switchyard.scheduler.sessions import Binding
-from switchyard.scheduler.standby import Shadowed, SubmitShadow, settlement
+from switchyard.scheduler.standby import Kept, Settlement, Shadowed, SubmitShadow, settlement
 from switchyard.schemas import (
     HeldRequest,
     KvSnapshot,
@@ -67,7 +68,6 @@ from switchyard.schemas import (
     LoadReport,
     PrefillDone,
     PrefillFailed,
-    Rejected,
     RequestFinished,
     RequestSpec,
     RollCall,
@@ -75,7 +75,6 @@ from switchyard.schemas import (
     StatusRequest,
     StreamBatch,
     StreamChunk,
-    StreamError,
     SubmitRequest,
     WorkerEvent,
     WorkerLeaving,
@@ -115,6 +114,7 @@ class SchedulerService:
         self._pending: dict[str, _PendingAck] = {}  # ack token -> dispatch awaiting its ack
         self._tokens = itertools.count()
         self._nc: Client | None = None
+        self._keeper: LeaseKeeper | None = None
         self._snapshots_send, self._snapshots_receive = anyio.create_memory_object_stream[str](_SNAPSHOT_QUEUE)
         self._bindings_send, self._bindings_receive = anyio.create_memory_object_stream[Binding](_SNAPSHOT_QUEUE)
         self._sessions = SessionStore.disabled()
@@ -129,33 +129,37 @@ class SchedulerService:
         """Ready (``task_status``) once active, or once standing by behind an active one."""
         async with connect(self.config.nats_url, self.scheduler_id, self.stats, self.config.nats_client) as nc:
             self._nc = nc
-            lease = LeaseKeeper(nc, self.scheduler_id, self.lease, self._clock)
+            lease = self._keeper = LeaseKeeper(nc, self.scheduler_id, self.lease, self._clock)
             await lease.open()
             try:
                 async with anyio.create_task_group() as tg:
-                    await self._listen(nc, tg)
+                    answers = await self._listen(nc, tg)
                     if not await lease.try_once():
                         log.info("scheduler %s standing by: another scheduler holds the lease", self.scheduler_id)
                         task_status.started()
                         task_status = anyio.TASK_STATUS_IGNORED
                         await lease.acquire()
                         log.info("scheduler %s took the lease over", self.scheduler_id)
-                    await self._activate(nc, tg, lease)
+                    await self._activate(nc, tg, lease, answers)
                     task_status.started()
             finally:
                 await lease.release()
 
-    async def _listen(self, nc: Client, tg: TaskGroup) -> None:
-        """What every replica hears, active or not (see the module's note)."""
+    async def _listen(self, nc: Client, tg: TaskGroup) -> Subscription:
+        """What every replica hears, active or not (see the module's note); the subscription
+        to answers, which only a standby needs."""
         submits = await subscribe(nc, subjects.SUBMIT)
         events = await subscribe(nc, subjects.WORKER_EVENTS)
         cancels = await subscribe(nc, subjects.CANCEL)
+        answers = await subscribe(nc, "_INBOX.>")  # the active one's answers to submits
         tg.start_soon(self._serve_submits, submits)
         tg.start_soon(self._serve_events, events)
         tg.start_soon(self._serve_cancels, cancels)
+        tg.start_soon(self._serve_answers, answers)
         await nc.flush()
+        return answers
 
-    async def _activate(self, nc: Client, tg: TaskGroup, lease: LeaseKeeper) -> None:
+    async def _activate(self, nc: Client, tg: TaskGroup, lease: LeaseKeeper, answers: Subscription) -> None:
         """The lease is ours: become the active scheduler."""
         tg.start_soon(lease.keep)
         acks = await subscribe(nc, f"{self._ack_inbox}.*")
@@ -174,6 +178,7 @@ class SchedulerService:
         await nc.publish(subjects.ROLL_CALL, codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
         await self._take_over()
         self._settled.set()
+        await answers.unsubscribe()  # ours now: no one else answers
         log.info("scheduler %s ready on %s", self.scheduler_id, redacted(self.config.nats_url))
 
     async def _take_over(self) -> None:
@@ -185,42 +190,37 @@ class SchedulerService:
                 await self._answer.wait()
         if missing := expected - self._answered:
             log.warning("taking over without the roll-call answers of %s", ", ".join(sorted(missing)))
-        entries, prefilled = self._shadow.take(), self._shadow.take_prefilled()
+        kept = self._shadow.take()
         if self._shadow.evicted:
             log.warning("%d submits were not kept while standing by (no room)", self._shadow.evicted)
-        for entry in entries:
-            await self._settle(entry, prefilled.get(entry.request_id))
+        outcomes = [await self._settle(k) for k in kept]
+        if kept:
+            log.info("took over %s", ", ".join(f"{outcomes.count(o)} {o}" for o in sorted(set(outcomes))))
 
-    async def _settle(self, entry: Shadowed, prefill: PrefillDone | None) -> None:
-        request = codec.SCHEDULER_REQUEST.decode(entry.data)
+    async def _settle(self, kept: Kept) -> Settlement:
+        request = codec.SCHEDULER_REQUEST.decode(kept.entry.data)
         assert isinstance(request, SubmitRequest)
-        spec = request.spec
-        known = spec.request_id in self.core.requests
-        outcome = settlement(entry, known, prefill is not None, self.lease.acquired_at)
-        if outcome == "adopted":  # a worker holds it
-            self.core.learn_spec(spec)
-        elif outcome == "decode":  # prefilled, and no decode worker has it: it waited for one
-            assert prefill is not None
-            self._trace_headers[spec.request_id] = entry.headers
-            await self._act(self.core.resume_decode(spec, prefill, self._clock()))
-        elif outcome == "admit":  # nobody answered it: we do, late
-            await self._admit(spec, entry.headers, entry.reply)
-        else:  # queued, rejected or failed by the scheduler before us: we cannot tell
-            error = StreamError(
-                code="scheduler_failover",
-                message=f"request {spec.request_id} was waiting when its scheduler failed over; retry it",
-            )
-            await self._fail_stream(FailStream(spec.ingress_id, spec.request_id, error))
-            if entry.reply:  # its submitter, if it still waits: try again in a moment
-                rejected = Rejected(
-                    request_id=spec.request_id, reason="overloaded", message=error.message, retry_after_s=1.0
-                )
-                await self._reply(entry.reply, rejected)
+        spec, now = request.spec, self._clock()
+        outcome = settlement(spec.request_id in self.core.requests, kept.prefill is not None, kept.admitted)
+        if outcome != "adopted":
+            self._trace_headers[spec.request_id] = kept.entry.headers
+        match outcome:
+            case "adopted":  # a worker holds it
+                self.core.learn_spec(spec)
+            case "decode":  # prefilled, and no decode worker has it: it waited for one
+                assert kept.prefill is not None
+                await self._act(self.core.resume_decode(spec, kept.prefill, now))
+            case "queue":  # admitted, not placed: it waited in the queue
+                await self._act(self.core.requeue(spec, kept.entry.received_at, now))
+            case "admit":  # nobody answered it: we do, late
+                await self._admit(spec, kept.entry.headers, kept.entry.reply)
+        return outcome
 
-    def _fence(self) -> None:
-        """Place nothing, answer nothing, once the lease may be someone else's."""
-        if not self.lease.held(self._clock()):
-            raise LeaseLostError(f"scheduler {self.scheduler_id}'s lease lapsed")
+    async def _fence(self) -> None:
+        """Place nothing, answer nothing, while the lease is not ours: waits out a lapse
+        (NATS was away), raises ``LeaseLostError`` once another replica holds it."""
+        assert self._keeper is not None
+        await self._keeper.wait_held()
 
     # --- inputs --------------------------------------------------------------------
 
@@ -235,7 +235,7 @@ class SchedulerService:
                 case SubmitRequest(spec=spec):
                     await self._admit(spec, dict(msg.headers or {}), msg.reply)
                 case StatusRequest():
-                    self._fence()
+                    await self._fence()
                     await self._reply(msg.reply, self.core.status())
 
     def _keep(self, data: bytes, spec: RequestSpec, reply: str | None, headers: dict[str, str]) -> None:
@@ -247,7 +247,7 @@ class SchedulerService:
             span.set_attribute("switchyard.request_id", spec.request_id)
             span.set_attribute("switchyard.prompt_tokens", len(spec.prompt_tokens))
             self._trace_headers[spec.request_id] = headers
-            self._fence()
+            await self._fence()
             reply, actions = self.core.submit(spec, self._clock())
             span.set_attribute("switchyard.admission", type(reply).__name__.lower())
         await self._act(actions)  # the dispatch first: it is on the token's path
@@ -291,6 +291,11 @@ class SchedulerService:
                 self._shadow.ended(rid)
             case PrefillDone():
                 self._shadow.prefilled(event)
+
+    async def _serve_answers(self, sub: Subscription) -> None:
+        async for msg in sub.messages:
+            if not self.active.is_set():
+                self._shadow.answered(msg.subject, msg.data)
 
     async def _serve_cancels(self, sub: Subscription) -> None:
         async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):
@@ -423,7 +428,7 @@ class SchedulerService:
 
     async def _dispatch(self, action: Dispatch) -> None:
         assert self._nc is not None
-        self._fence()
+        await self._fence()
         rid = action.task.spec.request_id
         kind = type(action.task).__name__.removesuffix("Task").lower()
         ctx = tracing.extract(self._trace_headers.get(rid))
@@ -448,6 +453,7 @@ class SchedulerService:
 
     async def _fail_stream(self, action: FailStream) -> None:
         assert self._nc is not None
+        await self._fence()
         log.warning("failing %s: %s", action.request_id, action.error.message)
         chunk = StreamChunk(request_id=action.request_id, seq=0, error=action.error)
         batch = StreamBatch(sender=self.scheduler_id, chunks=[chunk])

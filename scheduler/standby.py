@@ -1,23 +1,23 @@
-"""What a standby scheduler keeps, so that taking over loses no request silently.
+"""What a standby scheduler keeps, so that taking over loses no request.
 
 The requests an active scheduler holds that no worker holds yet (queued, waiting for
 decode) exist nowhere else: a scheduler that takes over cannot learn them from the
-workers' roll call. So every replica hears every submit (a plain subscription, not a
-queue group: only the lease holder answers), and a standby keeps each one it heard
-(``SubmitShadow``) until a worker's event or a cancel says the request ended. It keeps
-the message as it came (bytes: a few per prompt token) within ``max_bytes``, the oldest
-dropped first.
+workers' roll call. So a standby hears what the active one hears and answers: every
+submit (a plain subscription, not a queue group: only the lease holder answers), the
+answer to each (the submitter's reply subject is in the submit; a standby listens on
+``_INBOX.>`` and looks each message's subject up, nothing more), every worker event and
+every cancel. It keeps each submit (``SubmitShadow``: the message as it came, a few bytes
+per prompt token, within ``max_bytes``, the oldest dropped first) until a refusal, a
+worker's event or a cancel says the request ended.
 
 When it takes over, after the workers answered its roll call, each request it kept is
-(``settlement``) either ours already (a worker held it: adopted, and now given its
-prompt); or prefilled (its ``PrefillDone`` was heard) and held by no decode worker: it
-was waiting for decode, and its decode is placed now, from the very handle and token 0
-the old scheduler had; or heard after this replica acquired the lease, when the old
-active one had certainly stopped: nobody answered it, and it is admitted now, answered
-late; or it may have been answered, queued, rejected or failed by the old one, which we
-cannot tell apart: its stream is failed at once with ``scheduler_failover`` and its
-submitter, if it still waits, gets a 429 with a Retry-After of a second (a clean error
-the client can retry, instead of a stream that waits for its idle timeout).
+(``settlement``):
+- ``adopted``: a worker holds it; it gets its prompt (the roll call carries none);
+- ``decode``: prefilled (its ``PrefillDone`` was heard) and held by no decode worker: it
+  was waiting for decode, and waits here, from the very handle and token 0 it had;
+- ``queue``: admitted and not yet placed: it was queued, and is queued here, in its turn
+  and with no second admission;
+- ``admit``: never answered (the old one died first): admitted now, answered late.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from switchyard.schemas import PrefillDone
+import msgspec
 
-Settlement = Literal["adopted", "decode", "admit", "fail"]
+from switchyard.schemas import Admitted, PrefillDone, Rejected, codec
+
+Settlement = Literal["adopted", "decode", "queue", "admit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,15 @@ class Shadowed:
     received_at: float
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A kept submit, and what was heard of it since."""
+
+    entry: Shadowed
+    admitted: bool
+    prefill: PrefillDone | None
+
+
 class SubmitShadow:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -47,30 +58,41 @@ class SubmitShadow:
         self._bytes = 0
         self.evicted = 0  # dropped for room: such a request, if still waiting, times out
         self._workers: dict[str, float] = {}  # worker -> last heard
-        self._prefilled: dict[str, PrefillDone] = {}  # kept requests whose prefill was done
+        self._waiting: dict[str, str] = {}  # reply subject -> request, not answered yet
+        self._admitted: set[str] = set()
+        self._prefilled: dict[str, PrefillDone] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
-    def bytes(self) -> int:
+    def size(self) -> int:
         return self._bytes
 
     def submitted(self, entry: Shadowed) -> None:
         self.ended(entry.request_id)
         self._entries[entry.request_id] = entry
+        if entry.reply:
+            self._waiting[entry.reply] = entry.request_id
         self._bytes += len(entry.data)
         while self._bytes > self.max_bytes and self._entries:
-            _, oldest = self._entries.popitem(last=False)
-            self._bytes -= len(oldest.data)
-            self._prefilled.pop(oldest.request_id, None)
             self.evicted += 1
+            self.ended(next(iter(self._entries)))
 
-    def ended(self, request_id: str) -> None:
-        entry = self._entries.pop(request_id, None)
-        if entry is not None:
-            self._bytes -= len(entry.data)
-        self._prefilled.pop(request_id, None)
+    def answered(self, subject: str, data: bytes) -> None:
+        """A message on some inbox: the active scheduler's answer to a kept submit, or not ours."""
+        rid = self._waiting.pop(subject, None)
+        if rid is None:
+            return
+        try:
+            reply = codec.SCHEDULER_REPLY.decode(data)
+        except msgspec.DecodeError:
+            return
+        match reply:
+            case Admitted():
+                self._admitted.add(rid)
+            case Rejected():
+                self.ended(rid)
 
     def prefilled(self, done: PrefillDone) -> None:
         """Its token 0 is out and its KV handed over: next, a decode worker (or its end)."""
@@ -78,6 +100,16 @@ class SubmitShadow:
             self.ended(done.request_id)
         elif done.request_id in self._entries:
             self._prefilled[done.request_id] = done
+
+    def ended(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return
+        self._bytes -= len(entry.data)
+        if entry.reply:
+            self._waiting.pop(entry.reply, None)
+        self._admitted.discard(request_id)
+        self._prefilled.pop(request_id, None)
 
     def get(self, request_id: str) -> Shadowed | None:
         return self._entries.get(request_id)
@@ -92,22 +124,21 @@ class SubmitShadow:
         """Workers heard within ``expiry_s``: those whose roll-call answers a takeover awaits."""
         return {w for w, at in self._workers.items() if now - at <= expiry_s}
 
-    def take(self) -> list[Shadowed]:
+    def take(self) -> list[Kept]:
         """Every request kept, in arrival order; the shadow is empty after."""
-        entries = list(self._entries.values())
+        kept = [Kept(e, rid in self._admitted, self._prefilled.get(rid)) for rid, e in self._entries.items()]
         self._entries.clear()
+        self._waiting.clear()
+        self._admitted.clear()
+        self._prefilled.clear()
         self._bytes = 0
-        return entries
-
-    def take_prefilled(self) -> dict[str, PrefillDone]:
-        prefilled, self._prefilled = self._prefilled, {}
-        return prefilled
+        return kept
 
 
-def settlement(entry: Shadowed, known: bool, prefilled: bool, acquired_at: float) -> Settlement:
+def settlement(known: bool, prefilled: bool, admitted: bool) -> Settlement:
     """What a scheduler taking over does with a submit its standby kept (see the note)."""
     if known:
         return "adopted"
     if prefilled:
         return "decode"
-    return "admit" if entry.received_at > acquired_at else "fail"
+    return "queue" if admitted else "admit"

@@ -10,7 +10,8 @@ import pytest
 from switchyard.scheduler import Dispatch, FailStream, SchedulerConfig, SchedulerCore
 from switchyard.scheduler.lease import LeaseState
 from switchyard.scheduler.standby import Shadowed, SubmitShadow, settlement
-from switchyard.schemas import Admitted, DecodeTask, KvSnapshot, LoadReport, PrefillTask
+from switchyard.schemas import Admitted, DecodeTask, KvSnapshot, LoadReport, PrefillTask, Rejected
+from switchyard.schemas.codec import Codec
 from switchyard.workers.runtime import HeldLedger
 from tests.support.factories import FakeClock, load_report, make_spec, prefill_done, request_finished
 
@@ -24,8 +25,7 @@ def test_a_standby_becomes_active_when_its_create_is_stored():
     assert not lease.held(clock.now) and not lease.due(clock.now)
     clock.advance(0.25)
     assert lease.due(clock.now)
-    lease.written(revision=7, sent_at=clock.now, now=clock.now)
-    assert lease.acquired_at == clock.now
+    lease.written(revision=7, sent_at=clock.now)
     assert lease.held(clock.now) and lease.revision == 7 and lease.phase == "active"
 
 
@@ -33,20 +33,20 @@ def test_the_holder_expires_its_lease_from_when_it_sent_the_write():
     lease, clock = LeaseState(ttl_s=1.0, renew_s=0.25), FakeClock()
     sent = clock.now
     clock.advance(0.3)  # the answer took its time: the server stored it later than we sent it
-    lease.written(revision=1, sent_at=sent, now=clock.now)
+    lease.written(revision=1, sent_at=sent)
     clock.advance(0.69)
     assert lease.held(clock.now)
     clock.advance(0.02)  # 1.01 s after sending: the server's TTL cannot have run out yet, ours has
-    assert not lease.held(clock.now) and lease.phase == "lost"
+    assert not lease.held(clock.now) and lease.phase == "lapsed"
 
 
 def test_renewals_keep_it_and_failed_ones_let_it_lapse():
     lease, clock = LeaseState(ttl_s=1.0, renew_s=0.25), FakeClock()
-    lease.written(revision=1, sent_at=clock.now, now=clock.now)
+    lease.written(revision=1, sent_at=clock.now)
     for revision in range(2, 10):
         clock.advance(0.25)
         assert lease.due(clock.now)
-        lease.written(revision=revision, sent_at=clock.now, now=clock.now)
+        lease.written(revision=revision, sent_at=clock.now)
         assert lease.held(clock.now)
     for _ in range(3):  # NATS does not answer: still ours for a while
         clock.advance(0.25)
@@ -54,14 +54,37 @@ def test_renewals_keep_it_and_failed_ones_let_it_lapse():
         assert lease.held(clock.now)
     clock.advance(0.25)
     lease.failed(clock.now)
-    assert not lease.held(clock.now) and not lease.due(clock.now + 10)  # lost is final
-    lease.written(revision=99, sent_at=clock.now, now=clock.now)
+    assert not lease.held(clock.now) and lease.phase == "lapsed" and lease.creating
+    # NATS is back and nobody took the key: created again, the same holder carries on.
+    clock.advance(0.25)
+    lease.written(revision=1, sent_at=clock.now)
+    assert lease.held(clock.now) and not lease.creating
+
+
+def test_a_lapsed_lease_someone_else_took_is_lost_for_good():
+    lease, clock = LeaseState(ttl_s=1.0, renew_s=0.25), FakeClock()
+    lease.written(revision=1, sent_at=clock.now)
+    clock.advance(1.0)
+    assert not lease.held(clock.now) and lease.phase == "lapsed"
+    lease.refused(clock.now)  # the create found another replica's key
+    assert lease.phase == "lost" and not lease.due(clock.now + 10)
+    lease.written(revision=99, sent_at=clock.now)
     assert not lease.held(clock.now)
+
+
+def test_a_holder_whose_key_vanished_creates_it_again_at_once():
+    lease, clock = LeaseState(ttl_s=1.0, renew_s=0.25), FakeClock()
+    lease.written(revision=5, sent_at=clock.now)
+    clock.advance(0.25)
+    lease.vanished(clock.now)  # a restarted server lost the bucket: the renewal found no key
+    assert lease.phase == "lapsed" and lease.creating and lease.due(clock.now)
+    lease.written(revision=1, sent_at=clock.now)
+    assert lease.held(clock.now)
 
 
 def test_a_refused_renewal_ends_the_lease_at_once():
     lease, clock = LeaseState(ttl_s=1.0, renew_s=0.25), FakeClock()
-    lease.written(revision=1, sent_at=clock.now, now=clock.now)
+    lease.written(revision=1, sent_at=clock.now)
     clock.advance(0.25)
     lease.refused(clock.now)  # the key has another revision: someone else took it
     assert not lease.held(clock.now) and lease.phase == "lost"
@@ -161,20 +184,31 @@ def test_a_standby_keeps_submits_until_they_end_within_its_bytes():
         shadow.submitted(_kept(rid))
     shadow.ended("b")
     shadow.ended("never-seen")
-    assert [e.request_id for e in shadow.take()] == ["a", "c"] and len(shadow) == 0
+    assert [k.entry.request_id for k in shadow.take()] == ["a", "c"] and len(shadow) == 0
     for rid in ("d", "e", "f", "g"):  # 40 bytes in 30: the oldest goes
         shadow.submitted(_kept(rid))
-    assert shadow.evicted == 1 and shadow.bytes == 30
-    assert [e.request_id for e in shadow.take()] == ["e", "f", "g"]
+    assert shadow.evicted == 1 and shadow.size == 30
+    assert [k.entry.request_id for k in shadow.take()] == ["e", "f", "g"]
 
 
-def test_a_takeover_adopts_what_a_worker_holds_admits_what_nobody_answered_and_fails_the_rest():
-    at = 10.0
-    assert settlement(_kept("held", at=9.0), known=True, prefilled=True, acquired_at=at) == "adopted"
-    assert settlement(_kept("waited", at=9.0), known=False, prefilled=True, acquired_at=at) == "decode"
-    assert settlement(_kept("late", at=10.5), known=False, prefilled=False, acquired_at=at) == "admit"
-    # Heard before the lease was ours: the old active one may have answered, queued or refused it.
-    assert settlement(_kept("early", at=9.9), known=False, prefilled=False, acquired_at=at) == "fail"
+def test_a_standby_hears_the_answers_to_the_submits_it_keeps():
+    shadow = SubmitShadow(max_bytes=1000)
+    for rid in ("admitted", "rejected", "unanswered"):
+        shadow.submitted(_kept(rid))
+    shadow.answered("_INBOX.admitted", Codec.encode(Admitted(request_id="admitted", queue_position=2)))
+    refused = Rejected(request_id="rejected", reason="overloaded", message="busy", retry_after_s=1.0)
+    shadow.answered("_INBOX.rejected", Codec.encode(refused))
+    shadow.answered("_INBOX.someone-else", b"not a scheduler reply")
+    shadow.answered("_INBOX.unanswered", b"\xff garbage")  # not an answer: still waiting
+    kept = {k.entry.request_id: k.admitted for k in shadow.take()}
+    assert kept == {"admitted": True, "unanswered": False}  # a refused one ended there
+
+
+def test_a_takeover_adopts_what_a_worker_holds_and_places_each_other_kind_in_its_phase():
+    assert settlement(known=True, prefilled=True, admitted=True) == "adopted"
+    assert settlement(known=False, prefilled=True, admitted=True) == "decode"
+    assert settlement(known=False, prefilled=False, admitted=True) == "queue"
+    assert settlement(known=False, prefilled=False, admitted=False) == "admit"
 
 
 def test_a_kept_submit_remembers_its_prefill_until_it_ends():
@@ -182,11 +216,24 @@ def test_a_kept_submit_remembers_its_prefill_until_it_ends():
     a, b = make_spec("a"), make_spec("b")
     for rid in ("a", "b"):
         shadow.submitted(_kept(rid))
-    shadow.prefilled(prefill_done(a, "p0"))
+    done = prefill_done(a, "p0")
+    shadow.prefilled(done)
     shadow.prefilled(prefill_done(b, "p0", finished=True))  # token 0 ended it
     shadow.prefilled(prefill_done(make_spec("never-kept"), "p0"))
-    assert [e.request_id for e in shadow.take()] == ["a"]
-    assert list(shadow.take_prefilled()) == ["a"]
+    assert [(k.entry.request_id, k.prefill) for k in shadow.take()] == [("a", done)]
+
+
+def test_a_request_the_old_scheduler_queued_is_queued_again_without_a_second_admission():
+    clock = FakeClock()
+    new = SchedulerCore(SchedulerConfig())
+    new.on_event(load_report("p0", "prefill", budget=100, seq=1), clock.now)
+    spec = make_spec("queued", prompt_len=40, deadline_s=5.0)
+    reply, _ = new.submit(spec, clock.now)
+    assert isinstance(reply, Rejected) and reply.reason == "no_workers"  # as a new request, refused
+    actions = new.requeue(spec, enqueued_at=clock.now - 1.0, now=clock.now)  # admitted already: placed
+    assert [(a.worker_id, type(a.task)) for a in actions if isinstance(a, Dispatch)] == [("p0", PrefillTask)]
+    assert new.requeue(spec, enqueued_at=clock.now, now=clock.now) == []
+    new.check_invariants()
 
 
 def test_a_request_that_waited_for_decode_resumes_from_the_same_handle():
