@@ -299,8 +299,9 @@ class SchedulerService:
 
     async def _serve_cancels(self, sub: Subscription) -> None:
         async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):
-            if not self.active.is_set():
+            if not self._settled.is_set():  # what the shadow kept ends here too
                 self._shadow.ended(cancel.request_id)
+            if not self.active.is_set():
                 continue
             await self._act(self.core.on_cancel(cancel.request_id, self._clock()))
 
