@@ -60,6 +60,7 @@ from switchyard.workers.kv_events import KvCacheView, KvReporter, NoKvCache, Pus
 log = logging.getLogger(__name__)
 
 _REMEMBERED_CANCELS = 4096
+_HELD_PER_REPORT = 2000
 
 
 class Role(Protocol):
@@ -268,7 +269,11 @@ class WorkerRuntime:
 
     async def _serve_roll_calls(self, sub: Subscription, bus: WorkerBus) -> None:
         async for _, roll_call in decoded(sub, codec.ROLL_CALL, "roll call"):
-            await self._report(bus, self.held.roll_call(roll_call.scheduler_id))
+            held = self.held.roll_call(roll_call.scheduler_id)
+            # In parts that each fit a NATS message (about 150 bytes a request, 1 MB a message):
+            # every report of the answer carries held, so the scheduler adopts each part.
+            for start in range(0, max(len(held), 1), _HELD_PER_REPORT):
+                await self._report(bus, held[start : start + _HELD_PER_REPORT])
 
     async def _serve_kv_snapshots(self, sub: Subscription) -> None:
         async for msg in sub.messages:
