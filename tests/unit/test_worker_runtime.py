@@ -9,7 +9,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from switchyard.schemas import EngineStats, LoadReport, Role, WorkerEvent
+from switchyard.schemas import (
+    EngineStats,
+    LoadReport,
+    LocalTask,
+    RequestSpec,
+    Role,
+    RollCall,
+    SamplingParams,
+    WorkerEvent,
+    codec,
+)
 from switchyard.workers.config import WorkerConfig
 from switchyard.workers.decode import DecodeRole
 from switchyard.workers.prefill import PrefillRole
@@ -92,3 +102,47 @@ async def test_a_booting_counting_engine_reports_its_boot_time_counters_and_the_
 async def test_a_prefill_role_has_no_kv_fallbacks() -> None:
     report = await _report(WorkerRuntime(_config("prefill"), PrefillRole(_BootingEngine(), "w", 100)))
     assert report.stats == EngineStats(kv_fallbacks=0)
+
+
+@dataclass
+class _Msg:
+    data: bytes
+    subject: str = "roll-call"
+
+
+class _OneRollCall:
+    """A subscription that delivers one roll call, then ends."""
+
+    def __init__(self, scheduler_id: str) -> None:
+        self._data = codec.ROLL_CALL.encode(RollCall(scheduler_id=scheduler_id))
+
+    @property
+    async def messages(self) -> AsyncIterator[_Msg]:
+        yield _Msg(self._data)
+
+
+async def test_a_roll_call_is_answered_with_every_held_request_in_reports_that_fit_a_message() -> None:
+    engine = SimEngine(SimEngineConfig(), "w")
+    runtime = WorkerRuntime(_config("decode"), DecodeRole(engine, "w", 10**9))
+    rids = [f"r{i}" for i in range(4500)]
+    for rid in rids:
+        spec = RequestSpec(
+            request_id=rid,
+            ingress_id="i",
+            model="m",
+            prompt_tokens=[1, 2],
+            block_size=16,
+            block_keys=[],
+            sampling=SamplingParams(max_tokens=3),
+        )
+        runtime.held.accepted(LocalTask(spec=spec, queued_s=0.0, charged_tokens=5))
+    bus = _RecordingBus()
+    await runtime._serve_roll_calls(_OneRollCall("sched-new"), bus)  # type: ignore[arg-type]
+    reports = [e for e in bus.events if isinstance(e, LoadReport)]
+    assert [len(r.held or []) for r in reports] == [2000, 2000, 500]
+    assert [h.request_id for r in reports for h in r.held or []] == rids
+    assert max(len(codec.WORKER_EVENT.encode(r)) for r in reports) < 1 << 20  # NATS's default max payload
+    empty = WorkerRuntime(_config("decode"), DecodeRole(engine, "w", 100))
+    bus = _RecordingBus()
+    await empty._serve_roll_calls(_OneRollCall("sched-new"), bus)  # type: ignore[arg-type]
+    assert [r.held for r in bus.events if isinstance(r, LoadReport)] == [[]]  # holds nothing: says so
