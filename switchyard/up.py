@@ -147,11 +147,11 @@ def child_spec(child: ChildPlan, nats_url: str, auth: Auth | None = None) -> tup
     """The command line and environment of one child: its name, and its config as data (with
     the path of its NATS credentials, never a password)."""
     config = msgspec.structs.replace(child.config, nats_url=nats_url)
+    if auth is not None:
+        config = auth.apply(child.name, config)
     env = procs.child_env() | {settings.CONFIG_DATA_ENV: settings.encode_child(child.process, config)}
     return procs.service_command(child.command, "--child", child.name), env
 
-    if auth is not None:
-        config = auth.apply(child.name, config)
 
 def with_mooncake(p: Plan, master: str, metadata_server: str, lmcache_disk_dir: str) -> Plan:
     """The plan with the workers pointed at the Mooncake Store ``up`` started."""
