@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import anyio
+import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import trace
@@ -103,7 +104,14 @@ class Ingress:
         self.metrics = metrics
         self.bus_stats = bus_stats
         self.ingress_id = config.ingress_id
-        self._gen_ctx = GenerationContext(nc=nc, router=router, metrics=metrics)
+        self._gen_ctx = GenerationContext(
+            nc=nc,
+            router=router,
+            metrics=metrics,
+            continuation=functools.partial(continuation_spec, key_scheme=self.key_scheme),
+            resubmit=self._submit,
+            max_migrations=config.max_migrations,
+        )
         self._tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
         self._openapi: bytes | None = None
         self.app = Starlette(
@@ -384,6 +392,24 @@ class Ingress:
                 raise InvalidRequest(message)
             case other:
                 raise ApiError(f"unexpected scheduler reply {type(other).__name__}")
+
+
+def continuation_spec(spec: RequestSpec, output: list[int], *, key_scheme: KeyScheme) -> RequestSpec:
+    """``spec`` to run again after ``output``, the tokens its client has (a migration): they
+    join the prompt, its blocks keyed anew (the original prompt's keys are a prefix, so the
+    placement finds its cache), and only the rest of ``max_tokens`` is left to generate. The
+    deadline for the first token was met once already."""
+    assert spec.resume_from == 0, "a continuation is built from the client's own spec"
+    prompt = [*spec.prompt_tokens, *output]
+    keys = key_scheme.keys(prompt, spec.block_size, spec.tenant, spec.model)
+    return msgspec.structs.replace(
+        spec,
+        prompt_tokens=prompt,
+        block_keys=cast("list[int]", keys),
+        sampling=msgspec.structs.replace(spec.sampling, max_tokens=spec.sampling.max_tokens - len(output)),
+        deadline_s=None,
+        resume_from=len(output),
+    )
 
 
 def _session(value: str | None) -> str | None:

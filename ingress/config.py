@@ -64,6 +64,9 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
     stream_idle_timeout_s: Annotated[
         float, setting("a request whose stream stays silent this long fails instead of hanging", gt=0)
     ] = 60.0
+    max_migrations: Annotated[
+        int, setting("times a stream whose decode worker is lost continues on another (0: it fails at once)", ge=0)
+    ] = 2
     trace_exporter: Annotated[Literal["none", "console", "otlp"], setting("where spans go")] = "none"
     # Who may call, and as which tenant (ingress.auth). "none" keeps the embedded stack usable
     # without a key, and says so loudly at start; x-switchyard-tenant is refused there.

@@ -4,6 +4,14 @@
 streams; on any ending that the workers did not cause (a disconnect, a stop string,
 an error) it broadcasts a ``Cancel`` so that every worker drops the request. Cleanup
 is shielded, so a cancelled request still cancels, counts and closes its span.
+
+A stream whose worker is lost after its first token (``worker_lost``) migrates: the
+ingress holds the prompt and every token it delivered, so it submits the request again
+(same id, same route, no ``Cancel``) with those tokens appended to the prompt and
+``resume_from`` set to their count. The new run's first token is output position
+``resume_from``, so the sequencer takes it as the next token; greedy output continues
+exactly where the client left off. At most ``max_migrations`` times; after that, or when
+the scheduler refuses, the stream ends with the error event it would have had.
 """
 
 from __future__ import annotations
@@ -13,18 +21,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import msgspec
 from nats.aio.client import Client
+from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from switchyard.ingress.errors import ApiError, generation_error, internal_error
 from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from switchyard.ingress.text import TextAssembler
 from switchyard.observability import ServingMetrics
-from switchyard.schemas import Cancel, RequestSpec, codec, subjects
+from switchyard.schemas import Cancel, RequestSpec, StreamError, codec, subjects
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,11 @@ class GenerationContext:
     nc: Client
     router: StreamRouter
     metrics: ServingMetrics
+    # Migration: the spec that continues a request after its output so far, and its submit
+    # (raises ``ApiError`` when the scheduler refuses it).
+    continuation: Callable[[RequestSpec, list[int]], RequestSpec]
+    resubmit: Callable[[RequestSpec, Any], Awaitable[None]]
+    max_migrations: int = 2
 
 
 @dataclass
@@ -65,6 +79,10 @@ class Generation:
     # None until the ending is known: "ok", "error", or "cancelled" (the client left first).
     outcome: str | None = None
     response_started: bool = False
+    output: list[int] = field(default_factory=list)  # every token delivered, for a migration
+    migrations: int = 0
+    recomputed_tokens: int = 0  # prefilled again by migrations, their cached prefix excluded
+    _resumed_at: int | None = None  # the output position a migration's first token will have
 
     # --- ASGI -------------------------------------------------------------------------
 
@@ -110,7 +128,12 @@ class Generation:
     async def _generate(self, on_text: Callable[[str], Awaitable[None]]) -> None:
         """Until the request ends: deltas of text to ``on_text``; raises StreamFailed."""
         while not (self.sequencer.finished or self.assembler.stopped):
-            tokens = await self._next_tokens()
+            try:
+                tokens = await self._next_tokens()
+            except StreamFailed as failed:
+                await self._migrate(failed)  # or raises
+                continue
+            self.output += tokens
             text = self.assembler.push(tokens)
             if text:
                 await on_text(text)
@@ -127,12 +150,44 @@ class Generation:
         tokens: list[int] = []
         chunks = self.inbox.chunks
         while chunks and not self.sequencer.finished:
-            tokens += self.sequencer.feed(chunks.popleft())
+            chunk = chunks.popleft()
+            try:
+                tokens += self.sequencer.feed(chunk)
+            except StreamFailed:
+                if not tokens:
+                    raise
+                chunks.appendleft(chunk)  # what arrived before the failure is delivered first
+                break
+            if chunk.usage is not None and chunk.seq == self._resumed_at:
+                self._resumed_at = None
+                self.recomputed_tokens += chunk.usage.prompt_tokens - chunk.usage.cached_tokens
         if tokens:
             now = time.monotonic()
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
         return tokens
+
+    async def _migrate(self, failed: StreamFailed) -> None:
+        """Continue on another worker after the tokens delivered, or raise ``failed``."""
+        error, delivered = failed.error, len(self.output)
+        if error.code != "worker_lost" or not delivered:
+            raise failed  # before token 0 the scheduler itself retries; other errors are final
+        assert delivered == self.sequencer.next_seq  # every token taken was delivered
+        migrations = self.ctx.metrics.migrations
+        if self.migrations >= self.ctx.max_migrations or delivered >= self.spec.sampling.max_tokens:
+            migrations.labels(outcome="exhausted").inc()
+            raise failed
+        self.migrations += 1
+        spec = self.ctx.continuation(self.spec, self.output)
+        try:
+            await self.ctx.resubmit(spec, trace.set_span_in_context(self.span))
+        except ApiError as refused:
+            migrations.labels(outcome="refused").inc()
+            message = f"{error.message}; it could not continue elsewhere: {refused.message}"
+            raise StreamFailed(StreamError(code=error.code, message=message)) from None
+        migrations.labels(outcome="resumed").inc()
+        self._resumed_at = delivered
+        log.info("%s: worker lost after %d tokens; continuing elsewhere", self.spec.request_id, delivered)
 
     @property
     def finish_reason(self) -> str:
@@ -254,6 +309,9 @@ class Generation:
             await self.ctx.nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
         self._record(outcome)
         self.span.set_attribute("switchyard.outcome", outcome)
+        if self.migrations:
+            self.span.set_attribute("switchyard.migrations", self.migrations)
+            self.span.set_attribute("switchyard.recomputed_tokens", self.recomputed_tokens)
         self.span.end()
 
     def _record(self, outcome: str) -> None:
@@ -267,6 +325,7 @@ class Generation:
             m.prompt_tokens.labels(tenant).inc(usage.prompt_tokens)
             m.cached_tokens.labels(tenant).inc(usage.cached_tokens)
         m.generation_tokens.labels(tenant).inc(self.assembler.tokens)
+        m.recomputed_tokens.inc(self.recomputed_tokens)
         if self.first_token_at is not None:
             m.ttft.observe(self.first_token_at - self.arrived)
             if self.assembler.tokens > 1 and self.last_token_at is not None:

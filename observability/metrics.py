@@ -58,6 +58,18 @@ class ServingMetrics:
         )
         self.generation_tokens = Counter("switchyard_generation_tokens", "Output tokens sent.", ["tenant"], registry=r)
         self.requests = Counter("switchyard_requests", "Requests by outcome.", ["outcome"], registry=r)
+        self.migrations = Counter(
+            "switchyard_migrations",
+            "Streams whose worker was lost mid-stream, by outcome: resumed on another worker, "
+            "refused by the scheduler, or exhausted (max_migrations reached).",
+            ["outcome"],
+            registry=r,
+        )
+        self.recomputed_tokens = Counter(
+            "switchyard_recomputed_tokens",
+            "Prompt and output tokens prefilled again to continue migrated streams, cached ones excluded.",
+            registry=r,
+        )
         self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.", registry=r)
         self.bus_dropped = Gauge(
             "switchyard_bus_dropped_messages", "Messages a slow NATS subscription of this process dropped.", registry=r

@@ -54,6 +54,9 @@ class RequestSpec(_Wire, frozen=True):
     session: str | None = None
     priority: int = 0  # 0 interactive; higher numbers wait behind lower ones
     deadline_s: float | None = None  # seconds after arrival by which the first token is due
+    # A request migrated after its worker was lost: the last ``resume_from`` prompt tokens are
+    # output the client already has, and this run's first token is output position resume_from.
+    resume_from: int = 0
 
 
 # --- ingress -> scheduler (request/reply on SUBMIT) -------------------------------

@@ -10,6 +10,9 @@ from switchyard.workers.engine import PrefillResult
 
 def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tuple[StreamChunk, PrefillDone]:
     spec = task.spec
+    # The prompt this run prefilled, a migrated request's output included (``resume_from``):
+    # the scheduler's throughput estimate and the ingress's count of recomputed tokens need
+    # it; the client's usage comes from the ingress's own spec.
     usage = PromptUsage(
         prompt_tokens=len(spec.prompt_tokens),
         cached_tokens=result.cached_tokens,
@@ -22,7 +25,7 @@ def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tup
     reason = result.finish_reason or ("length" if spec.sampling.max_tokens <= 1 else None)
     chunk = StreamChunk(
         request_id=spec.request_id,
-        seq=0,
+        seq=spec.resume_from,  # 0, or where a migrated request's client left off
         token_ids=[result.first_token],
         finish_reason=reason,
         usage=usage,

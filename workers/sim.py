@@ -16,7 +16,9 @@ outgrow the cache (a block stored and evicted between two reports is never told)
 Output tokens are a pure function of (sampling key, position): a greedy request
 (temperature 0) or a seeded one gives the same text wherever and however often it
 runs, which is what lets a prefill worker emit token 0 and a decode worker continue
-at token 1 without ever producing a second first token.
+at token 1 without ever producing a second first token. A migrated request
+(``RequestSpec.resume_from``) keys on the client's prompt, not on the output it carries,
+and counts positions from where the client left off: it continues the very same text.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ def sampling_key(task: PrefillTask | DecodeTask) -> int:
     if spec.sampling.seed is not None:
         return _mix(spec.sampling.seed)
     if spec.sampling.temperature == 0.0:
-        key = len(spec.prompt_tokens)
-        for token in spec.prompt_tokens:
+        prompt = spec.prompt_tokens[: len(spec.prompt_tokens) - spec.resume_from]  # the client's own
+        key = len(prompt)
+        for token in prompt:
             key = _mix(key ^ token)
         return key
     digest = hashlib.blake2b(spec.request_id.encode(), digest_size=8).digest()
@@ -131,7 +134,7 @@ class SimEngine:
         handle = SimKvHandle(worker_id=self.worker_id, block_keys=spec.block_keys, num_tokens=len(spec.prompt_tokens))
         return PrefillResult(
             request_id=spec.request_id,
-            first_token=self.token(sampling_key(task), 0),
+            first_token=self.token(sampling_key(task), spec.resume_from),
             cached_tokens=cached,
             handle=handle,
             prefill_s=elapsed,
@@ -187,8 +190,8 @@ class SimEngine:
         self._remember(spec.block_keys)
         seq = _Sequence(
             key=sampling_key(task),
-            next_position=1,
-            max_tokens=spec.sampling.max_tokens,
+            next_position=spec.resume_from + 1,
+            max_tokens=spec.resume_from + spec.sampling.max_tokens,
             tokens=len(spec.prompt_tokens) + spec.sampling.max_tokens,
         )
         self._running[spec.request_id] = seq

@@ -435,8 +435,13 @@ class VllmEngine:
         return sum(d.held_tokens for d in self._decoding.values())
 
     def add(self, task: DecodeTask) -> None:
-        rid = task.spec.request_id
-        decoding = _Decoding(anyio.CancelScope(), len(task.spec.prompt_tokens) + task.spec.sampling.max_tokens)
+        spec = task.spec
+        rid = spec.request_id
+        # A migrated request's prompt ends with the output the client has: vLLM continues it
+        # greedily as it is; only the output positions start where the client left off.
+        decoding = _Decoding(
+            anyio.CancelScope(), len(spec.prompt_tokens) + spec.sampling.max_tokens, position=spec.resume_from + 1
+        )
         self._decoding[rid] = decoding
         self._serving().tasks.start_soon(self._decode_one, task, decoding, name=f"decode {rid}")
 

@@ -31,6 +31,7 @@ SPEC = m.RequestSpec(
     session="sess-1",
     priority=3,
     deadline_s=2.5,
+    resume_from=2,
 )
 HANDLE = m.SimKvHandle(worker_id="p-1", block_keys=[2**64 - 1, 3], num_tokens=5)
 STATS = m.EngineStats(
