@@ -3,19 +3,39 @@ workers numbering and producing a continued request's output exactly as an undis
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import anyio.lowlevel
 import pytest
+from opentelemetry.trace import INVALID_SPAN
 
 import switchyard.workers.sim as sim
 from switchyard.ingress.app import continuation_spec
+from switchyard.ingress.errors import ApiError, Unavailable
+from switchyard.ingress.generation import Generation, GenerationContext
+from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter
+from switchyard.ingress.text import TextAssembler
+from switchyard.ingress.tokenizer import ModelTokenizer
 from switchyard.kvbus import KeyScheme
-from switchyard.schemas import DecodeTask, PrefillTask, PromptUsage, RequestSpec, SimKvHandle
+from switchyard.models import build_tokenizer
+from switchyard.observability import ServingMetrics
+from switchyard.schemas import (
+    DecodeTask,
+    PrefillTask,
+    PromptUsage,
+    RequestSpec,
+    SimKvHandle,
+    StreamChunk,
+    StreamError,
+)
 from switchyard.workers.engine import PrefillResult
 from switchyard.workers.handoff import first_token
 from switchyard.workers.sim import SimEngine, SimEngineConfig
 from tests.support.factories import make_spec
 
 BLAKE = KeyScheme("blake2b", "vllm-none-hash")
+SIM_TINY = Path(build_tokenizer.__file__).parent / "sim-tiny"
 
 
 @pytest.fixture
@@ -99,3 +119,121 @@ def test_last_token_left_ends_at_the_continuations_first_token() -> None:
     result = PrefillResult(request_id=cont.request_id, first_token=403, cached_tokens=0, handle=handle, prefill_s=0.0)
     chunk, done = first_token("p", PrefillTask(spec=cont, queued_s=0.0), result)
     assert (chunk.seq, chunk.finish_reason, done.finished) == (3, "length", True)
+
+
+# --- the ingress's side: a Generation fed from its inbox, resubmitting through a fake --------
+
+
+class _Scheduler:
+    """Takes continuations; ``answer`` says what the new run streams, or what it refuses with."""
+
+    def __init__(self, inbox: Inbox, answer: list[StreamChunk] | ApiError) -> None:
+        self.inbox, self.answer = inbox, answer
+        self.submitted: list[RequestSpec] = []
+
+    async def resubmit(self, spec: RequestSpec, ctx: object) -> None:
+        self.submitted.append(spec)
+        if isinstance(self.answer, ApiError):
+            raise self.answer
+        for chunk in self.answer:
+            self.inbox.put(chunk)
+
+
+def _generation(spec: RequestSpec, scheduler_answer, max_migrations: int = 2) -> tuple[Generation, _Scheduler]:
+    tokenizer = ModelTokenizer.load(SIM_TINY)
+    inbox = Inbox(spec.request_id, 64)
+    scheduler = _Scheduler(inbox, scheduler_answer)
+    ctx = GenerationContext(
+        nc=None,  # type: ignore[arg-type]  # a Generation publishes only in its cleanup
+        router=StreamRouter(),
+        metrics=ServingMetrics(),
+        continuation=functools.partial(continuation_spec, key_scheme=BLAKE),
+        resubmit=scheduler.resubmit,
+        max_migrations=max_migrations,
+    )
+    generation = Generation(
+        ctx=ctx,
+        kind="completion",
+        spec=spec,
+        model=spec.model,
+        stream=True,
+        include_usage=True,
+        assembler=TextAssembler(tokenizer.decode_stream(), []),
+        inbox=inbox,
+        span=INVALID_SPAN,
+        arrived=0.0,
+    )
+    return generation, scheduler
+
+
+def _chunk(spec: RequestSpec, seq: int, tokens: list[int], finish=None, **kw) -> StreamChunk:
+    return StreamChunk(request_id=spec.request_id, seq=seq, token_ids=tokens, finish_reason=finish, **kw)
+
+
+LOST = StreamError(code="worker_lost", message="request r failed in decode: worker lost")
+OUTPUT = [300 + i for i in range(8)]
+
+
+async def _run(generation: Generation) -> str:
+    parts: list[str] = []
+
+    async def collect(text: str) -> None:
+        parts.append(text)
+
+    await generation._generate(collect)
+    return "".join(parts)
+
+
+@pytest.mark.anyio
+async def test_a_lost_stream_is_resubmitted_after_its_delivered_tokens_and_continues() -> None:
+    spec = make_spec("r", prompt_len=20, max_tokens=8)
+    usage = PromptUsage(prompt_tokens=20, cached_tokens=0)
+    # The new run: its token 0 at seq 3, with the usage of the 23 tokens it prefilled (16 cached).
+    again = PromptUsage(prompt_tokens=23, cached_tokens=16)
+    rest = [_chunk(spec, 3, OUTPUT[3:4], usage=again), _chunk(spec, 4, OUTPUT[4:], "length")]
+    generation, scheduler = _generation(spec, rest)
+    # Two tokens and the failure in one batch: the tokens before it are delivered first.
+    for chunk in (_chunk(spec, 0, OUTPUT[:1], usage=usage), _chunk(spec, 1, OUTPUT[1:3])):
+        generation.inbox.put(chunk)
+    generation.inbox.put(StreamChunk(request_id="r", seq=0, error=LOST))
+    text = await _run(generation)
+    (cont,) = scheduler.submitted
+    assert cont.prompt_tokens == spec.prompt_tokens + OUTPUT[:3] and cont.resume_from == 3
+    assert cont.sampling.max_tokens == 5
+    assert generation.output == OUTPUT and generation.assembler.tokens == 8
+    assert text == ModelTokenizer.load(SIM_TINY).decode(OUTPUT)
+    assert generation.finish_reason == "length" and generation.usage()["completion_tokens"] == 8
+    assert generation.usage()["prompt_tokens"] == 20  # the client's prompt, not the continuation's
+    assert (generation.migrations, generation.recomputed_tokens) == (1, 7)
+    assert generation.ctx.metrics.migrations.labels(outcome="resumed")._value.get() == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("max_migrations", "answer", "outcome", "message"),
+    [
+        (0, [], "exhausted", "worker lost"),
+        (2, Unavailable("no decode worker is available"), "refused", "could not continue elsewhere"),
+    ],
+)
+async def test_a_stream_that_cannot_migrate_ends_with_the_error(max_migrations, answer, outcome, message) -> None:
+    spec = make_spec("r", prompt_len=20, max_tokens=8)
+    generation, scheduler = _generation(spec, answer, max_migrations=max_migrations)
+    generation.inbox.put(_chunk(spec, 0, OUTPUT[:2], usage=PromptUsage(prompt_tokens=20, cached_tokens=0)))
+    generation.inbox.put(StreamChunk(request_id="r", seq=0, error=LOST))
+    with pytest.raises(StreamFailed, match=message) as failed:
+        await _run(generation)
+    assert failed.value.error.code == "worker_lost"
+    assert generation.output == OUTPUT[:2]
+    assert len(scheduler.submitted) == min(max_migrations, 1)
+    assert generation.ctx.metrics.migrations.labels(outcome=outcome)._value.get() == 1
+
+
+@pytest.mark.anyio
+async def test_a_stream_lost_before_its_first_token_is_not_migrated() -> None:
+    spec = make_spec("r", prompt_len=20, max_tokens=8)
+    generation, scheduler = _generation(spec, [])
+    generation.inbox.put(StreamChunk(request_id="r", seq=0, error=LOST))
+    with pytest.raises(StreamFailed):
+        await _run(generation)
+    assert scheduler.submitted == []
