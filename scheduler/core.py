@@ -11,7 +11,8 @@ A request placed on a ``both`` (colocated) worker, or sent as a ``LocalTask`` to
 decode worker, goes from prefill to decode on the same worker with no handoff.
 A request whose worker is lost before prefill finished is queued again (at most the
 first token reached the client, and the ingress drops a repeated seq 0); one lost in
-decode fails with ``worker_lost``: its tokens so far came from sampling we cannot replay.
+decode fails here with ``worker_lost``, and the ingress, which holds the tokens it
+delivered, resubmits it as a continuation (prompt + those tokens, ``resume_from``).
 
 A scheduler that takes over from another (``scheduler.lease``) rolls call; each worker
 answers with the requests it holds, as the old scheduler charged them
