@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from switchyard.observability import NatsClientConfig
+from switchyard.observability import DEFAULT_NATS_URL, NatsClient, NatsClientConfig, NatsUrl
 from switchyard.schemas import ConfigStruct, setting
-
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
 class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
-    nats_url: Annotated[str, setting("NATS server URL", flag="nats", min_length=1)] = DEFAULT_NATS_URL
-    nats_client: Annotated[NatsClientConfig, setting("the NATS connection's credentials and TLS", prefix="nats-")] = (
-        NatsClientConfig()
-    )
+    nats_url: NatsUrl = DEFAULT_NATS_URL
+    nats_client: NatsClient = NatsClientConfig()
     model_dir: Annotated[str, setting("model directory (tokenizer.json and chat template)", flag="model")] = ""
     served_model_name: Annotated[str, setting("the model's name in the API (default: its directory's)")] = ""
     host: Annotated[str, setting("interface the HTTP API listens on")] = "127.0.0.1"

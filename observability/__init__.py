@@ -5,10 +5,13 @@ if __name__ != "switchyard.observability":  # one module, one name: the wheel in
 
 from switchyard.observability import tracing
 from switchyard.observability.bus import (
+    DEFAULT_NATS_URL,
     BusAuthError,
     BusClosedError,
     BusStats,
+    NatsClient,
     NatsClientConfig,
+    NatsUrl,
     connect,
     decoded,
     redacted,
@@ -19,10 +22,13 @@ from switchyard.observability.tracing import TracingError
 
 __all__ = [
     "CONTENT_TYPE",
+    "DEFAULT_NATS_URL",
     "BusAuthError",
     "BusClosedError",
     "BusStats",
+    "NatsClient",
     "NatsClientConfig",
+    "NatsUrl",
     "ServingMetrics",
     "TracingError",
     "connect",

@@ -83,6 +83,12 @@ class NatsClientConfig(ConfigStruct, frozen=True, kw_only=True):
     tls_ca: Annotated[str, setting("CA certificate (PEM) that the NATS server's TLS certificate must chain to")] = ""
 
 
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+# The two settings every service's tree has for its connection, declared here once.
+NatsUrl = Annotated[str, setting("NATS server URL", flag="nats", min_length=1)]
+NatsClient = Annotated[NatsClientConfig, setting("the NATS connection's credentials and TLS", prefix="nats-")]
+
+
 @dataclass(frozen=True)
 class Credentials:
     """One NATS user, as a credentials file holds it (JSON)."""

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from switchyard.observability import NatsClientConfig
+from switchyard.observability import DEFAULT_NATS_URL, NatsClient, NatsClientConfig, NatsUrl
 from switchyard.schemas import ConfigStruct, setting
-
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
 class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
@@ -65,10 +63,8 @@ class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
 
 
 class SchedulerServiceConfig(ConfigStruct, frozen=True, kw_only=True):
-    nats_url: Annotated[str, setting("NATS server URL", flag="nats", min_length=1)] = DEFAULT_NATS_URL
-    nats_client: Annotated[NatsClientConfig, setting("the NATS connection's credentials and TLS", prefix="nats-")] = (
-        NatsClientConfig()
-    )
+    nats_url: NatsUrl = DEFAULT_NATS_URL
+    nats_client: NatsClient = NatsClientConfig()
     core: Annotated[SchedulerConfig, setting("the decision core", prefix="")] = SchedulerConfig()
     tick_s: Annotated[float, setting("the scheduler's timer tick", gt=0)] = 0.1
     dispatch_timeout_s: Annotated[float, setting("an unanswered dispatch removes its worker after", gt=0)] = 2.0

@@ -44,12 +44,12 @@ import msgspec
 
 from switchyard import nats_auth, procs, settings
 from switchyard.ingress import IngressConfig
-from switchyard.observability import redacted
+from switchyard.observability import DEFAULT_NATS_URL, redacted
 from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.settings import ConfigError, ProcessConfig, Resolved, Sources, UpConfig, Value
 from switchyard.workers import WorkerConfig
 
-_PLACEHOLDER_NATS = "nats://127.0.0.1:4222"  # replaced by the server's real URL at start
+_PLACEHOLDER_NATS = DEFAULT_NATS_URL  # replaced by the server's real URL at start
 
 
 class _Stop(Exception):

@@ -7,19 +7,15 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from switchyard.observability import NatsClientConfig
+from switchyard.observability import DEFAULT_NATS_URL, NatsClient, NatsClientConfig, NatsUrl
 from switchyard.schemas import ConfigStruct, Role, setting
 from switchyard.workers.sim import SimEngineConfig
 from switchyard.workers.vllm_config import VllmEngineConfig
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-
 
 class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
-    nats_url: Annotated[str, setting("NATS server URL", flag="nats", min_length=1)] = DEFAULT_NATS_URL
-    nats_client: Annotated[NatsClientConfig, setting("the NATS connection's credentials and TLS", prefix="nats-")] = (
-        NatsClientConfig()
-    )
+    nats_url: NatsUrl = DEFAULT_NATS_URL
+    nats_client: NatsClient = NatsClientConfig()
     role: Annotated[Role, setting("prefill or decode")]
     # The model's name on the bus; the CLI fills in the tokenizer's when none is given.
     model: Annotated[
