@@ -101,23 +101,13 @@ def service_config(command: str, sources: Sources) -> tuple[ProcessConfig, Any]:
     """The process and service trees of ``switchyard <command>`` run on its own."""
     process = settings.resolve(ProcessConfig, sources, command).config
     tree = settings.COMMAND_TREES[command][1]
-    defaults = settings.engine_defaults(*_engine_hints(tree, sources, command))
+    defaults = settings.engine_defaults(*settings.engine_hints(tree, sources, command))
     config = settings.resolve(tree, sources, command, defaults=defaults).config
     if isinstance(config, WorkerConfig):
         from switchyard.up import finish_worker
 
         config = finish_worker(config)
     return process, config
-
-
-def _engine_hints(tree: type[Any], sources: Sources, section: str) -> tuple[str, str | None]:
-    """The engine (or key scheme) a tree's engine-dependent defaults follow, as given."""
-    picked = {}
-    for s in settings.settings_of(tree):
-        if s.name in ("engine", "key-scheme"):
-            found = sources.pick(s, section)
-            picked[s.name] = str(found.value) if found else None
-    return picked.get("engine") or "sim", picked.get("key-scheme")
 
 
 # --- running a service ------------------------------------------------------------------------

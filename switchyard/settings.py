@@ -406,6 +406,17 @@ def flags_given(namespace: argparse.Namespace) -> dict[str, Any]:
     return {k.removeprefix("setting:"): v for k, v in vars(namespace).items() if k.startswith("setting:")}
 
 
+def engine_hints(tree: type[Any], sources: Sources, section: str) -> tuple[str, str | None]:
+    """The engine (and key scheme) a tree's engine-dependent defaults follow, as given,
+    unchecked: the tree's own resolution checks them."""
+    picked: dict[str, str | None] = {}
+    for s in settings_of(tree):
+        if s.name in ("engine", "key-scheme"):
+            found = sources.pick(s, section)
+            picked[s.name] = str(found.value) if found else None
+    return picked.get("engine") or "sim", picked.get("key-scheme")
+
+
 def engine_defaults(engine: str, key_scheme: str | None = None) -> dict[str, Any]:
     """Defaults that depend on the engine: vLLM's CPU backend takes blocks of 32 and up, and
     its engines boot in 30-90 s on a CPU host."""

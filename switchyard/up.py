@@ -76,7 +76,7 @@ class Plan:
 
 
 def plan(sources: Sources) -> Plan:
-    engine = _peek_engine(sources)
+    engine = settings.engine_hints(UpConfig, sources, "up")[0]
     defaults = settings.engine_defaults(engine)
     up_cfg = settings.resolve(UpConfig, sources, "up", defaults=defaults)
     process = settings.resolve(ProcessConfig, sources, "up")
@@ -98,14 +98,6 @@ def plan(sources: Sources) -> Plan:
         children += [_child(f"{role}-{i}", "worker", sources, worker) for i in range(count)]
     children.append(_child("ingress", "ingress", sources, ingress))
     return Plan(up_cfg.config, process.config, children, up_cfg.origin | process.origin)
-
-
-def _peek_engine(sources: Sources) -> str:
-    engine = next(s for s in settings.settings_of(UpConfig) if s.name == "engine")
-    found = sources.pick(engine, "up")
-    return settings.resolve(
-        UpConfig, Sources(flags={"engine": found.value}) if found else Sources(), "up"
-    ).config.engine
 
 
 def _check_keys_match(engine: str, ingress: Resolved) -> None:

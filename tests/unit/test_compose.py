@@ -56,7 +56,7 @@ def parse_command(command: list[str]) -> Parsed:
             args = cli.build_parser().parse_args(command[1:])
         tree = settings.COMMAND_TREES[args.command][1]
         sources = cli.sources_of(args, env={})
-        defaults = settings.engine_defaults(*cli._engine_hints(tree, sources, args.command))
+        defaults = settings.engine_defaults(*settings.engine_hints(tree, sources, args.command))
         return Parsed(args.command, settings.resolve(tree, sources, args.command, defaults=defaults).config)
     except SystemExit as exc:
         pytest.fail(f"switchyard rejects {command!r} (exit {exc.code}): {stderr.getvalue().strip()}")
