@@ -1,10 +1,11 @@
 if __name__ != "switchyard.ingress":  # one module, one name: the wheel installs only `switchyard`
     raise ImportError(f"import switchyard.ingress, not {__name__}")
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.tokenizer import ModelTokenizer, TokenizerError
+from switchyard.schemas import lazy_attributes
 
 if TYPE_CHECKING:
     from switchyard.ingress.auth import KeyRecord, KeyStore, KeyStoreError, Limits
@@ -31,11 +32,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The heavy parts (the HTTP service) load on first use, so that importing the
-    light ones (configs, in every process's CLI) pulls no web server, engine or bus client."""
-    if name in _LAZY:
-        from importlib import import_module
-
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

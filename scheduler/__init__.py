@@ -3,11 +3,12 @@
 if __name__ != "switchyard.scheduler":  # one module, one name: the wheel installs only `switchyard`
     raise ImportError(f"import switchyard.scheduler, not {__name__}")
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from switchyard.scheduler.config import SchedulerConfig, SchedulerServiceConfig
 from switchyard.scheduler.core import Action, BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerCore
 from switchyard.scheduler.policies import POLICIES
+from switchyard.schemas import lazy_attributes
 
 if TYPE_CHECKING:
     from switchyard.scheduler.service import SchedulerService
@@ -28,11 +29,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The heavy parts (the bus loop) load on first use, so that importing the
-    light ones (configs, in every process's CLI) pulls no web server, engine or bus client."""
-    if name in _LAZY:
-        from importlib import import_module
-
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -3,8 +3,9 @@
 if __name__ != "switchyard.workers":  # one module, one name: the wheel installs only `switchyard`
     raise ImportError(f"import switchyard.workers, not {__name__}")
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from switchyard.schemas import lazy_attributes
 from switchyard.workers.config import WorkerConfig
 from switchyard.workers.sim import SimCostModel, SimEngineConfig
 from switchyard.workers.vllm_config import (
@@ -37,11 +38,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The heavy parts (the worker runtime and the vLLM engine) load on first use, so that importing the
-    light ones (configs, in every process's CLI) pulls no web server, engine or bus client."""
-    if name in _LAZY:
-        from importlib import import_module
-
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
