@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
+import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,7 +166,7 @@ def _strip(hint: Any) -> Any:
     while True:
         if get_origin(hint) is Annotated:
             hint = get_args(hint)[0]
-        elif get_origin(hint) in (Union, __import__("types").UnionType):
+        elif get_origin(hint) in (Union, types.UnionType):
             args = [a for a in get_args(hint) if a is not type(None)]
             if len(args) != 1:
                 return hint
