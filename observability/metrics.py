@@ -18,6 +18,17 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # rest share OTHER_TENANTS, which no tenant name can spell (tenants are [A-Za-z0-9._-]).
 MAX_TENANT_LABELS = 100
 OTHER_TENANTS = "(other)"
+# Why the HTTP edge (ingress/edge.py) refused a connection's request before the app saw it.
+# Fixed, so each has its series from the start (at 0) and a dashboard query finds it.
+EDGE_REFUSAL_REASONS = (
+    "headers_too_large",
+    "too_many_headers",
+    "head_timeout",
+    "body_timeout",
+    "too_many_connections",
+    "slow_reader",
+    "idle",
+)
 
 
 class ServingMetrics:
@@ -70,6 +81,14 @@ class ServingMetrics:
             "Prompt and output tokens prefilled again to continue migrated streams, cached ones excluded.",
             registry=r,
         )
+        self.edge_refusals = Counter(
+            "switchyard_edge_refusals",
+            "Requests and connections the HTTP edge refused or dropped, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in EDGE_REFUSAL_REASONS:
+            self.edge_refusals.labels(reason=reason)
         self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.", registry=r)
         self.bus_dropped = Gauge(
             "switchyard_bus_dropped_messages", "Messages a slow NATS subscription of this process dropped.", registry=r
