@@ -136,7 +136,7 @@ class Ingress:
         body = await self._decode(await self._read_body(request), ChatCompletionRequest)
         self._check_common(body)
         try:
-            prompt = await self._off_loop(lambda: self.tokenizer.encode_chat(chat_messages(body)))
+            prompt = await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(chat_messages(body))))
         except TokenizerError as exc:  # the template refused these messages (raise_exception)
             raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -248,7 +248,7 @@ class Ingress:
 
     async def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return await self._off_loop(self.tokenizer.encode, prompt)
+            return await self._off_loop(self._encode, prompt)
         if prompt and all(isinstance(p, int) for p in prompt):
             vocab = self.tokenizer.info.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
@@ -259,7 +259,17 @@ class Ingress:
                 "`prompt` must be a string, a list of one string, or a list of token ids; one prompt per request.",
                 param="prompt",
             )
-        return await self._off_loop(self.tokenizer.encode, prompt[0])
+        return await self._off_loop(self._encode, prompt[0])
+
+    def _encode(self, text: str) -> list[int]:
+        """In the pool; a text whose size alone puts it past the context is not tokenized."""
+        context, at_least = self.tokenizer.info.max_context, self.tokenizer.min_tokens(text)
+        if at_least >= context:
+            raise ContextLengthExceeded(
+                f"The prompt is too long for this model's context of {context} tokens: it has at least "
+                f"{at_least} (found before tokenizing)."
+            )
+        return self.tokenizer.encode(text)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         context = self.tokenizer.info.max_context

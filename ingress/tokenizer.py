@@ -17,11 +17,25 @@ Streaming detokenization uses `tokenizers.decoders.DecodeStream`, which holds ba
 while the tail is an incomplete UTF-8 character. The invariant callers rely on:
 `"".join(push(i) for i in ids) + flush() == decode(ids)`; `flush()` is '' unless the
 stream stopped in the middle of a character.
+
+A prompt's size bounds its token count from below, so a prompt far past the context is refused
+before the seconds its tokenizing would take (`min_tokens`). The bound is exact by construction,
+not measured: `bytes_per_token` is an upper bound on the input bytes one token can stand for,
+derived at load from what the pipeline does, and `None` (no pre-check) for any step we cannot
+bound. Between added tokens, a BPE model's tokens spell the normalized text exactly (a byte-level
+token's characters are one byte each, a byte-fallback token `<0xAB>` one byte, other tokens their
+UTF-8 bytes or more: `▁` is 3 bytes standing for at most 3), so no token covers more normalized
+bytes than the longest vocabulary entry; an added token covers its own content. The normalizer
+may shrink text (NFKC maps a 4-byte mathematical letter to one ASCII byte): each step's worst
+ratio of input to output bytes multiplies the bound. What could hide text from the model (a
+pre-tokenizer that removes whitespace, unknown characters fused into one `<unk>`, an added token
+that swallows surrounding spaces, a word-level model) leaves the bound unset.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +45,7 @@ import jinja2
 import jinja2.ext
 import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 from switchyard.ingress.errors import IngressError
 
@@ -207,6 +221,70 @@ def _special_token_strings(config: _TokenizerConfig) -> dict[str, str]:
     return {name: text for name, text in tokens.items() if text is not None}
 
 
+# How many input bytes one byte of a normalizer's output can stand for, at worst (checked over
+# every code point against Python's unicodedata in tests/unit/test_tokenizer.py). A composed
+# character's canonical decomposition is at most 3 times its bytes, and a single character
+# maps to at least a third (NFD, U+1FEF) or a quarter (NFKD, U+107A5) of its bytes: so NFC is
+# bounded by 3 * 3 and NFKC by 4 * 3. Lowercasing: the Kelvin sign (3 bytes) becomes "k".
+_NORMALIZER_SHRINK = {"NFD": 3, "NFC": 9, "NFKD": 4, "NFKC": 12, "Lowercase": 3, "Prepend": 1}
+# Pre-tokenizers that keep every character; Split and Punctuation unless told to remove matches.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
+
+
+def _shrink(normalizer: dict[str, Any] | None) -> int | None:
+    """The most input bytes one normalized byte can come from; None when unbounded."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factors = [_shrink(n) for n in normalizer["normalizers"]]
+        return None if None in factors else math.prod(f for f in factors if f is not None)
+    if kind == "Replace":  # a plain string replaced by one at least as long shrinks nothing
+        pattern = normalizer["pattern"].get("String")
+        content = normalizer["content"]
+        return 1 if pattern is not None and len(content.encode()) >= len(pattern.encode()) else None
+    return _NORMALIZER_SHRINK.get(str(kind))  # Strip, BertNormalizer, a regex... : not bounded
+
+
+def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    if pre_tokenizer.get("type") == "Sequence":
+        return all(_keeps_text(p) for p in pre_tokenizer["pretokenizers"])
+    return pre_tokenizer.get("type") in _KEEPING_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"
+
+
+def _uses_byte_level(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(_uses_byte_level(p) for p in pre_tokenizer["pretokenizers"])
+    return pre_tokenizer.get("type") == "ByteLevel"
+
+
+def _bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    """An upper bound on the input bytes one token of ``tokenizer.encode`` covers (module note)."""
+    pipeline = json.loads(tokenizer.to_str())
+    model = pipeline["model"]
+    shrink = _shrink(pipeline.get("normalizer"))
+    if model.get("type") != "BPE" or shrink is None or not _keeps_text(pipeline.get("pre_tokenizer")):
+        return None
+    added = tokenizer.get_added_tokens_decoder().values()
+    if any(t.lstrip or t.rstrip for t in added):
+        return None
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    if _uses_byte_level(pipeline.get("pre_tokenizer")):
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        if not alphabet <= vocab.keys():  # a byte missing from the vocabulary would be dropped
+            return None
+        longest = max(sum(1 if c in alphabet else len(c.encode()) for c in token) for token in vocab)
+    elif model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        longest = max(len(token.encode()) for token in vocab)
+    else:  # an unknown character would be dropped, or become an <unk> of any length
+        return None
+    return shrink * max([longest, *(len(t.content.encode()) for t in added)])
+
+
 class IncrementalDecoder:
     """Turns a stream of token ids into text, one id at a time.
 
@@ -259,12 +337,14 @@ class ModelTokenizer:
         special_tokens: dict[str, str],
         info: ModelInfo,
         ordinary_ids: range,
+        bytes_per_token: int | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._chat_template = chat_template
         self._special_tokens = special_tokens
         self._ordinary_ids = ordinary_ids
         self.info = info
+        self.bytes_per_token = bytes_per_token  # see the module note; None: no bound known
 
     @classmethod
     def load(cls, model_dir: Path) -> ModelTokenizer:
@@ -287,6 +367,7 @@ class ModelTokenizer:
             _special_token_strings(tok_config),
             info,
             _ordinary_ids(tokenizer, model_dir / "tokenizer.json"),
+            _bytes_per_token(tokenizer),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -298,6 +379,15 @@ class ModelTokenizer:
         not stop the event loop's thread for the seconds it takes.
         """
         return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of ``len(self.encode(text))``, without tokenizing: ``text``'s UTF-8
+        bytes over ``bytes_per_token``, rounded up (0 when no bound is known). Constant time
+        for ASCII text, one encoding pass for the rest."""
+        if self.bytes_per_token is None:
+            return 0
+        size = len(text) if text.isascii() else len(text.encode(errors="surrogatepass"))
+        return -(-size // self.bytes_per_token)
 
     def render_chat(self, messages: Sequence[Message]) -> str:
         """The prompt text for `messages`, ending with the assistant's generation prompt."""

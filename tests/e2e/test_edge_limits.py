@@ -131,26 +131,28 @@ def test_json_nested_within_the_limit_is_served(stack):
 # --- tokenizing off the event loop -----------------------------------------------------------------------
 
 
-def test_a_small_request_is_answered_while_a_huge_prompt_is_tokenized(stack, monkeypatch):
+def test_a_small_request_is_answered_while_a_long_prompt_is_tokenized(stack, monkeypatch):
     tokenizer = stack.ingress.tokenizer
-    tokenizing = threading.Event()
+    tokenizing, served = threading.Event(), threading.Event()
     encode = tokenizer.encode
 
-    def watched(text: str) -> list[int]:
-        if len(text) > 1_000_000:
+    def held(text: str) -> list[int]:  # the long prompt stays in the tokenizer until the small one is served
+        if len(text) > 50_000:
             tokenizing.set()
+            served.wait(30)
         return encode(text)
 
-    monkeypatch.setattr(tokenizer, "encode", watched)
+    monkeypatch.setattr(tokenizer, "encode", held)
     finished: list[str] = []
 
-    def huge() -> None:
-        body = {"model": MODEL, "prompt": "switchyard " * 300_000, "max_tokens": 1}  # 3.3 MB
+    def long() -> None:
+        # 99 KB: short enough to pass the size check (at most 25 bytes a token), ~18000 tokens once tokenized
+        body = {"model": MODEL, "prompt": "switchyard " * 9_000, "max_tokens": 1}
         response = httpx.post(stack.ingress.url + "/v1/completions", json=body, timeout=60)
-        assert response.status_code == 400  # far past the context, once tokenized
-        finished.append("huge")
+        assert response.status_code == 400 and "the prompt has" in response.json()["error"]["message"]
+        finished.append("long")
 
-    thread = threading.Thread(target=huge)
+    thread = threading.Thread(target=long)
     thread.start()
     try:
         assert tokenizing.wait(30)
@@ -160,8 +162,48 @@ def test_a_small_request_is_answered_while_a_huge_prompt_is_tokenized(stack, mon
         assert response.status_code == 200
         finished.append("small")
     finally:
+        served.set()
         thread.join(60)
-    assert finished == ["small", "huge"]
+    assert finished == ["small", "long"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", CHAT])
+def test_a_multi_megabyte_prompt_is_refused_untokenized_while_another_is_tokenized(stack, monkeypatch, path):
+    """The size check answers a prompt far past the context at once: its 7.7 MB never reach
+    the tokenizer, while another client's prompt holds one of its threads."""
+    tokenizer = stack.ingress.tokenizer
+    tokenizing, refused = threading.Event(), threading.Event()
+    tokenized: list[int] = []
+    encode = tokenizer.encode
+
+    def watched(text: str) -> list[int]:
+        tokenized.append(len(text))
+        if len(text) > 50_000:
+            tokenizing.set()
+            refused.wait(30)
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", watched)
+    other = threading.Thread(
+        target=httpx.post,
+        args=(stack.ingress.url + "/v1/completions",),
+        kwargs={"json": {"model": MODEL, "prompt": "switchyard " * 9_000, "max_tokens": 1}, "timeout": 60},
+    )
+    other.start()
+    huge = "switchyard " * 700_000
+    body = {"model": MODEL, "max_tokens": 1}
+    body |= {"prompt": huge} if path != CHAT else {"messages": [{"role": "user", "content": huge}]}
+    try:
+        assert tokenizing.wait(30)
+        response = httpx.post(stack.ingress.url + path, json=body, timeout=60)
+        refused.set()
+    finally:
+        refused.set()
+        other.join(60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "before tokenizing" in error["message"]
+    assert all(size < 1_000_000 for size in tokenized)  # the other prompt only
 
 
 # --- headers ---------------------------------------------------------------------------------------------
