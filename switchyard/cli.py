@@ -69,13 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from switchyard.bench import kv, live, overhead, sim
+    from switchyard.bench import chaos, kv, live, overhead, sim
 
     for name, module, help_ in (
         ("overhead", overhead, "what the fabric adds: TTFT, stream throughput, memory"),
         ("sim", sim, "replay a trace through the scheduler core over a simulated fleet"),
         ("live", live, "replay a trace, time-scaled, through the running system and beside its simulation"),
         ("kv", kv, "vllm: TTFT with the prefix loaded from LMCache/Mooncake vs recomputed, and raw Mooncake"),
+        ("chaos", chaos, "kill workers, the active scheduler and nats-server under load; compare every output"),
     ):
         module.add_arguments(bench_sub.add_parser(name, help=help_))
     return parser
