@@ -18,7 +18,9 @@ uvicorn's httptools protocol bounds none of this, so ``EdgeProtocol`` adds, per 
   ``Retry-After``.
 
 A refusal is an OpenAI error body with ``connection: close``, written here, and the
-connection closes. Everything runs in protocol callbacks on the event loop: no awaits, one
+connection closes. Each refusal, a dropped slow reader and a fresh connection closed idle
+count in ``switchyard_edge_refusals_total{reason}`` (observability.metrics); a kept-alive
+connection closed idle after a response is the normal end of one, not counted. Everything runs in protocol callbacks on the event loop: no awaits, one
 read timer and one write timer per connection.
 
 Counting the head: bytes are counted from the first byte of a request until the blank line
@@ -39,6 +41,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.errors import ApiError, HeadersTooLarge, RequestTimeout, Unavailable
+from switchyard.observability import ServingMetrics
+from switchyard.observability.metrics import EDGE_REFUSAL_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +72,15 @@ class EdgeLimits:
         )
 
 
-def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
-    """The protocol class uvicorn is given: ``EdgeProtocol`` bound to ``limits``."""
-    return cast("type[asyncio.Protocol]", type("EdgeProtocol", (EdgeProtocol,), {"limits": limits}))
+def edge_protocol(limits: EdgeLimits, metrics: ServingMetrics) -> type[asyncio.Protocol]:
+    """The protocol class uvicorn is given: ``EdgeProtocol`` bound to ``limits`` and ``metrics``."""
+    bound = {"limits": limits, "metrics": metrics}
+    return cast("type[asyncio.Protocol]", type("EdgeProtocol", (EdgeProtocol,), bound))
 
 
 class EdgeProtocol(HttpToolsProtocol):
-    limits: EdgeLimits  # set on the subclass edge_protocol() makes
+    limits: EdgeLimits  # set on the subclass edge_protocol() makes, as is
+    metrics: ServingMetrics
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -87,6 +93,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._refusal: ApiError | None = None  # decided inside a parser callback, sent after it
         self._refused = False
         self._reading_body: RequestResponseCycle | None = None  # the cycle whose body is due
+        self._fresh = True  # no byte received yet: an idle close is then counted
 
     # --- connection -----------------------------------------------------------------------
 
@@ -104,10 +111,17 @@ class EdgeProtocol(HttpToolsProtocol):
             self._write_timer.cancel()
         super().connection_lost(exc)
 
+    def timeout_keep_alive_handler(self) -> None:
+        if self._fresh and not self.transport.is_closing():
+            self._count("idle")
+        super().timeout_keep_alive_handler()
+
     def data_received(self, data: bytes) -> None:
+        self._fresh = False
         if self._refused:
             return
         if self._reading_head and not self._count_head(data):
+            self._count("headers_too_large")
             self._refuse(HeadersTooLarge(f"The request head exceeds {self.limits.max_header_bytes} bytes."))
             return
         super().data_received(data)
@@ -117,7 +131,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def _count_head(self, data: bytes) -> bool:
         """Counts this chunk's part of the head; False once the head is too large."""
         if self._head_bytes == 0:
-            self._arm_read(self.limits.header_timeout_s, "request head")
+            self._arm_read(self.limits.header_timeout_s, "request head", "head_timeout")
         window = self._carry + data
         end = window.find(_END_OF_HEAD)
         self._head_bytes += end + len(_END_OF_HEAD) - len(self._carry) if end >= 0 else len(data)
@@ -129,9 +143,9 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._fields += 1
         if self._fields > self.limits.max_headers:
-            self._refusal = self._refusal or HeadersTooLarge(
-                f"A request may have at most {self.limits.max_headers} headers."
-            )
+            if self._refusal is None:
+                self._count("too_many_headers")
+                self._refusal = HeadersTooLarge(f"A request may have at most {self.limits.max_headers} headers.")
             return
         super().on_header(name, value)
 
@@ -141,6 +155,7 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._refusal is not None:
             return
         if len(self.connections) > self.limits.max_connections:
+            self._count("too_many_connections")
             self._refusal = Unavailable(
                 f"This server is at its limit of {self.limits.max_connections} connections.",
                 code="too_many_connections",
@@ -150,7 +165,7 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         self._reading_body = self.cycle
         if not self.pipeline:  # a pipelined request is not read until its turn
-            self._arm_read(self.limits.body_timeout_s, "request body")
+            self._arm_read(self.limits.body_timeout_s, "request body", "body_timeout")
 
     def on_body(self, body: bytes) -> None:
         if self._refusal is None:
@@ -185,25 +200,31 @@ class EdgeProtocol(HttpToolsProtocol):
             self._arm_write()
             return
         log.warning("%s took no response bytes for %.0f s; dropping it", _peer(self.client), self.limits.send_timeout_s)
+        self._count("slow_reader")
         self.transport.abort()  # connection_lost tells the request, which cancels its work
 
     # --- the read timer ----------------------------------------------------------------------
 
-    def _arm_read(self, timeout_s: float, what: str) -> None:
+    def _arm_read(self, timeout_s: float, what: str, reason: str) -> None:
         self._disarm_read()
-        self._read_timer = self.loop.call_later(timeout_s, self._late, what, timeout_s)
+        self._read_timer = self.loop.call_later(timeout_s, self._late, what, timeout_s, reason)
 
     def _disarm_read(self) -> None:
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
 
-    def _late(self, what: str, timeout_s: float) -> None:
+    def _late(self, what: str, timeout_s: float, reason: str) -> None:
         self._read_timer = None
         log.info("%s: the %s did not arrive within %.0f s", _peer(self.client), what, timeout_s)
+        self._count(reason)
         self._refuse(RequestTimeout(f"The {what} did not arrive within {timeout_s:g} s."))
 
     # --- refusing ----------------------------------------------------------------------------
+
+    def _count(self, reason: str) -> None:
+        assert reason in EDGE_REFUSAL_REASONS, reason  # a new reason is declared there, at 0
+        self.metrics.edge_refusals.labels(reason=reason).inc()
 
     def _refuse(self, error: ApiError) -> None:
         """Answer ``error`` unless this request was answered already, and close."""

@@ -60,7 +60,7 @@ class IngressService:
                     ingress.app,
                     log_level="warning",
                     access_log=False,
-                    http=edge_protocol(EdgeLimits.of(cfg)),
+                    http=edge_protocol(EdgeLimits.of(cfg), self.metrics),
                     ws="none",
                     timeout_graceful_shutdown=5,
                     lifespan="off",

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
@@ -99,6 +100,22 @@ def dechunk(body: bytes) -> bytes:
 
 def head(path: str = "/v1/models", method: str = "GET", extra: bytes = b"") -> bytes:
     return f"{method} {path} HTTP/1.1\r\nhost: test\r\n".encode() + extra
+
+
+def refusals(stack, reason: str) -> float:
+    """``switchyard_edge_refusals_total{reason}`` as the ingress's GET /metrics shows it."""
+    text = httpx.get(stack.ingress.url + "/metrics", timeout=5).text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "switchyard_edge_refusals")
+    return next(s.value for s in family.samples if s.name.endswith("_total") and s.labels["reason"] == reason)
+
+
+@contextlib.contextmanager
+def counted(stack, reason: str, times: int = 1) -> Iterator[None]:
+    """The block makes the edge count ``times`` refusals for ``reason``, no more."""
+    before = refusals(stack, reason)
+    yield
+    assert wait_until(lambda: refusals(stack, reason) >= before + times)
+    assert refusals(stack, reason) == before + times
 
 
 def still_serving(stack) -> bool:
@@ -220,15 +237,17 @@ def test_ten_thousand_headers_are_a_431(stack):
 
 def test_more_header_fields_than_the_limit_are_a_431_even_when_small(stack):
     sock = connect(stack)
-    send_quietly(sock, head(extra=b"".join(b"x%d: v\r\n" % i for i in range(60))) + b"\r\n")  # 600 bytes
-    status, error = status_and_error(read_all(sock))
+    with counted(stack, "too_many_headers"):
+        send_quietly(sock, head(extra=b"".join(b"x%d: v\r\n" % i for i in range(60))) + b"\r\n")  # 600 bytes
+        status, error = status_and_error(read_all(sock))
     assert status == 431 and "at most 50 headers" in error["message"]
 
 
 def test_a_one_megabyte_header_is_a_431(stack):
     sock = connect(stack)
-    send_quietly(sock, head(extra=b"x-big: " + b"a" * 1024 * 1024 + b"\r\n") + b"\r\n")
-    status, error = status_and_error(read_all(sock))
+    with counted(stack, "headers_too_large"):
+        send_quietly(sock, head(extra=b"x-big: " + b"a" * 1024 * 1024 + b"\r\n") + b"\r\n")
+        status, error = status_and_error(read_all(sock))
     assert status == 431 and "8192 bytes" in error["message"]
     assert still_serving(stack)
 
@@ -243,6 +262,7 @@ def test_headers_within_the_limits_are_served(stack):
 
 
 def test_a_request_past_the_connection_limit_is_a_503_with_retry_after(stack):
+    before = refusals(stack, "too_many_connections")
     held = [connect(stack) for _ in range(LIMITS["max_connections"])]
     try:
         sock = connect(stack)
@@ -255,6 +275,7 @@ def test_a_request_past_the_connection_limit_is_a_503_with_retry_after(stack):
         for sock in held:
             sock.close()
     assert wait_until(lambda: still_serving(stack))
+    assert refusals(stack, "too_many_connections") == before + 1
 
 
 # --- slow and idle clients ---------------------------------------------------------------------------------
@@ -279,7 +300,8 @@ def trickle(sock: socket.socket, data: bytes, every_s: float = 0.05, within_s: f
 
 def test_a_head_trickled_byte_by_byte_is_cut_off_with_a_408(stack):
     sock = connect(stack)
-    status, error = status_and_error(trickle(sock, head(extra=b"x-slow: " + b"s" * 1000)))
+    with counted(stack, "head_timeout"):
+        status, error = status_and_error(trickle(sock, head(extra=b"x-slow: " + b"s" * 1000)))
     assert status == 408 and error["code"] == "request_timeout" and "request head" in error["message"]
 
 
@@ -289,20 +311,23 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_with_a_408(stack):
     sock.sendall(
         head(CHAT, "POST", b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)),
     )
-    status, error = status_and_error(trickle(sock, body))
+    with counted(stack, "body_timeout"):
+        status, error = status_and_error(trickle(sock, body))
     assert status == 408 and "request body" in error["message"]
     assert wait_until(lambda: len(stack.ingress.router) == 0)
 
 
 def test_a_connection_that_sends_nothing_is_closed(stack):
-    sock = connect(stack)
-    assert read_all(sock) == b""  # closed within the 5 s read_all waits: the limit is 1 s
+    with counted(stack, "idle"):
+        sock = connect(stack)
+        assert read_all(sock) == b""  # closed within the 5 s read_all waits: the limit is 1 s
 
 
 def test_a_kept_alive_connection_is_closed_when_idle(stack):
-    sock = connect(stack)
-    sock.sendall(head() + b"\r\n")
-    assert read_all(sock).startswith(b"HTTP/1.1 200")  # answered, then closed within 5 s
+    with counted(stack, "idle", times=0):  # the normal end of a kept-alive connection
+        sock = connect(stack)
+        sock.sendall(head() + b"\r\n")
+        assert read_all(sock).startswith(b"HTTP/1.1 200")  # answered, then closed within 5 s
 
 
 # --- streams ----------------------------------------------------------------------------------------------
@@ -346,6 +371,7 @@ def server_side(client: socket.socket, servers: list[ServerState]) -> HttpToolsP
 
 def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(slow_stack):
     decode = slow_stack.workers_of("decode")[0]
+    dropped = refusals(slow_stack, "slow_reader")
     servers = [o for o in gc.get_objects() if isinstance(o, ServerState)]  # slow: before connecting
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connecting: a small window
@@ -364,6 +390,7 @@ def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(slow_s
     # us and cancels the request, which would otherwise decode for 100 s.
     assert wait_until(lambda: decode.role.running() == 0, timeout_s=15)
     assert wait_until(lambda: len(slow_stack.ingress.router) == 0)
+    assert refusals(slow_stack, "slow_reader") == dropped + 1
     sock.close()
 
 
