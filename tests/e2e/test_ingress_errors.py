@@ -147,7 +147,7 @@ def test_an_unexpected_error_before_admission_is_a_json_500(stack, spans, monkey
 
 
 def test_an_unexpected_error_before_any_span_is_a_json_500(stack, monkeypatch):
-    monkeypatch.setattr(type(stack.ingress.tokenizer), "encode_chat", _boom)
+    monkeypatch.setattr(type(stack.ingress.tokenizer), "render_chat", _boom)
     assert_internal_error(post(stack, max_tokens=4))
     assert len(stack.ingress.router) == 0
 
