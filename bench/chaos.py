@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import signal
@@ -337,6 +338,10 @@ def _stop(process: psutil.Process, popen: subprocess.Popen) -> None:
         except psutil.Error:
             pass
     try:
+        os.killpg(popen.pid, signal.SIGKILL)  # and anything else left in its process group
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
         popen.wait(5)
     except subprocess.TimeoutExpired:
         pass
@@ -408,7 +413,7 @@ async def _ledger(up: Up) -> Ledger:
             finally:
                 await nc.close()
             async with httpx.AsyncClient(timeout=2) as client:
-                health = (await client.get(up.url + "/health")).json()
+                ingress_in_flight = int((await client.get(up.url + "/health")).json()["in_flight_requests"])
     except _UNREADABLE:  # unread; the report says so
         return ledger
     status = codec.SCHEDULER_REPLY.decode(reply.data)
@@ -417,7 +422,7 @@ async def _ledger(up: Up) -> Ledger:
     ledger.inflight_tokens = {w.worker_id: w.inflight_tokens for w in status.workers}
     ledger.running = sum(w.running for w in status.workers)
     ledger.queued_requests = status.queued_requests
-    ledger.ingress_in_flight = int(health.get("in_flight_requests", 0))
+    ledger.ingress_in_flight = ingress_in_flight
     ledger.read = True
     return ledger
 
@@ -711,7 +716,9 @@ def summarize(run: Run, reference: Run) -> dict:
     kinds = [classify(reference.outcomes[i], run.outcomes[i]) for i in valid]
     counts = Counter(kinds)
     completed = counts["identical"] + counts["different"]
-    errors = Counter(run.outcomes[i].error for i in valid if kinds[valid.index(i)] in ("clean_error", "hang", "broken"))
+    errors = Counter(
+        run.outcomes[i].error for i, kind in zip(valid, kinds, strict=True) if kind in ("clean_error", "hang", "broken")
+    )
     differences = [
         {
             "request": i,
