@@ -111,6 +111,7 @@ class Ingress:
             continuation=functools.partial(continuation_spec, key_scheme=self.key_scheme),
             resubmit=self._submit,
             max_migrations=config.max_migrations,
+            migration_wait_s=config.migration_wait_s,
         )
         self._tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
         self._openapi: bytes | None = None
@@ -192,6 +193,7 @@ class Ingress:
 
     async def metrics_text(self, request: Request) -> Response:
         self.metrics.bus_dropped.set(self.bus_stats.dropped)
+        self.metrics.stream_refused.set(self.router.refused)
         status = await self._cluster_status()
         if status is not None:
             self.metrics.set_workers(status.workers)

@@ -61,8 +61,12 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
         float, setting("a request whose stream stays silent this long fails instead of hanging", gt=0)
     ] = 60.0
     max_migrations: Annotated[
-        int, setting("times a stream whose decode worker is lost continues on another (0: it fails at once)", ge=0)
+        int, setting("times a stream whose worker is lost continues on another (0: it fails at once)", ge=0)
     ] = 2
+    migration_wait_s: Annotated[
+        float,
+        setting("how long a stream whose worker is lost waits for a worker of that role to be there again", ge=0),
+    ] = 5.0
     trace_exporter: Annotated[Literal["none", "console", "otlp"], setting("where spans go")] = "none"
     # Who may call, and as which tenant (ingress.auth). "none" keeps the embedded stack usable
     # without a key, and says so loudly at start; x-switchyard-tenant is refused there.

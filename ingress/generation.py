@@ -5,13 +5,17 @@ streams; on any ending that the workers did not cause (a disconnect, a stop stri
 an error) it broadcasts a ``Cancel`` so that every worker drops the request. Cleanup
 is shielded, so a cancelled request still cancels, counts and closes its span.
 
-A stream whose worker is lost after its first token (``worker_lost``) migrates: the
+A stream whose worker is lost (``worker_lost``, in prefill or in decode) or whose
+scheduler was replaced before it knew the prompt (``scheduler_failover``) migrates: the
 ingress holds the prompt and every token it delivered, so it submits the request again
-(same id, same route, no ``Cancel``) with those tokens appended to the prompt and
-``resume_from`` set to their count. The new run's first token is output position
-``resume_from``, so the sequencer takes it as the next token; greedy output continues
-exactly where the client left off. At most ``max_migrations`` times; after that, or when
-the scheduler refuses, the stream ends with the error event it would have had.
+(same id, same route, no ``Cancel``, ``attempt`` counting up) with those tokens appended
+to the prompt and ``resume_from`` set to their count; with none delivered yet, as it
+was. The new run's first token is output position ``resume_from``, so the sequencer
+takes it as the next token: a token 0 the client has is never sampled again, and greedy
+output continues exactly where the client left off. The stream accepts chunks only from
+the new run's workers (``StreamRouter.reassign``), so a late chunk of the lost run cannot
+interleave. At most ``max_migrations`` times; after that, or when the scheduler refuses,
+the stream ends with the error event it would have had.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from nats.aio.client import Client
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from switchyard.ingress.errors import ApiError, generation_error, internal_error
+from switchyard.ingress.errors import ApiError, Unavailable, generation_error, internal_error
 from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from switchyard.ingress.text import TextAssembler
 from switchyard.observability import ServingMetrics
@@ -44,6 +48,8 @@ _SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+# Errors that end a run, not the request: it continues elsewhere (see the module's note).
+_MIGRATABLE = frozenset({"worker_lost", "scheduler_failover"})
 
 
 @dataclass
@@ -58,6 +64,9 @@ class GenerationContext:
     continuation: Callable[[RequestSpec, list[int]], RequestSpec]
     resubmit: Callable[[RequestSpec, Any], Awaitable[None]]
     max_migrations: int = 2
+    # While no worker of a role is left (its only one was lost), a migration is retried for
+    # this long, so a supervisor's restart of it is waited for.
+    migration_wait_s: float = 5.0
 
 
 @dataclass
@@ -170,24 +179,38 @@ class Generation:
     async def _migrate(self, failed: StreamFailed) -> None:
         """Continue on another worker after the tokens delivered, or raise ``failed``."""
         error, delivered = failed.error, len(self.output)
-        if error.code != "worker_lost" or not delivered:
-            raise failed  # before token 0 the scheduler itself retries; other errors are final
+        if error.code not in _MIGRATABLE:
+            raise failed  # the request itself failed: final
         assert delivered == self.sequencer.next_seq  # every token taken was delivered
         migrations = self.ctx.metrics.migrations
         if self.migrations >= self.ctx.max_migrations or delivered >= self.spec.sampling.max_tokens:
             migrations.labels(outcome="exhausted").inc()
             raise failed
         self.migrations += 1
-        spec = self.ctx.continuation(self.spec, self.output)
+        spec = self.ctx.continuation(self.spec, self.output) if delivered else self.spec
+        spec = msgspec.structs.replace(spec, attempt=self.migrations)
+        self.ctx.router.reassign(self.inbox)
         try:
-            await self.ctx.resubmit(spec, trace.set_span_in_context(self.span))
+            await self._resubmit(spec)
         except ApiError as refused:
             migrations.labels(outcome="refused").inc()
             message = f"{error.message}; it could not continue elsewhere: {refused.message}"
             raise StreamFailed(StreamError(code=error.code, message=message)) from None
         migrations.labels(outcome="resumed").inc()
-        self._resumed_at = delivered
+        self._resumed_at = delivered or None  # with nothing delivered, maybe nothing was computed
         log.info("%s: worker lost after %d tokens; continuing elsewhere", self.spec.request_id, delivered)
+
+    async def _resubmit(self, spec: RequestSpec) -> None:
+        """Submit ``spec`` again; while no worker of a role is there, retry for a while."""
+        give_up = time.monotonic() + self.ctx.migration_wait_s
+        while True:
+            try:
+                return await self.ctx.resubmit(spec, trace.set_span_in_context(self.span))
+            except Unavailable as unavailable:
+                wait = min(unavailable.retry_after_s or 1.0, 0.5)
+                if time.monotonic() + wait > give_up:
+                    raise
+                await anyio.sleep(wait)
 
     @property
     def finish_reason(self) -> str:

@@ -69,7 +69,7 @@ class IngressService:
             )
             try:
                 async with anyio.create_task_group() as tg:
-                    tokens = await subscribe(nc, subjects.stream(cfg.ingress_id))
+                    tokens = await subscribe(nc, subjects.streams_of(cfg.ingress_id))
                     tg.start_soon(self.router.serve, tokens)
                     tg.start_soon(self.router.watch_idle, cfg.stream_idle_timeout_s)
                     await nc.flush()

@@ -12,6 +12,15 @@ watchdog for the whole ingress (``StreamRouter.expire_idle``).
 
 ``TokenSequencer`` turns chunks, possibly repeated or out of order (a retried prefill,
 two publishers), into each output position exactly once.
+
+A request's chunks are accepted only from the workers the scheduler assigned to it: the
+subject names the sender (``subjects.stream``; NATS permissions let a worker publish
+under its own id only), and the scheduler announces each assignment (a chunk with
+``assigned``) before the worker hears of the task. A chunk from a sender not assigned
+is held, a few per request, in case the announcement is still on its way (two
+publishers are not ordered across a NATS cluster), and refused (counted) if none comes
+before the stream ends. A migration starts the list afresh: the lost run's late chunks
+are refused.
 """
 
 from __future__ import annotations
@@ -24,24 +33,49 @@ import anyio
 
 from switchyard.ingress.errors import IngressError
 from switchyard.observability import decoded
-from switchyard.schemas import PromptUsage, StreamChunk, StreamError, codec
+from switchyard.schemas import PromptUsage, StreamChunk, StreamError, codec, subjects
 
 log = logging.getLogger(__name__)
 
 _SLACK = 16
+_FOREIGN = 32  # chunks held per request from a sender not (yet) assigned
 
 
 class Inbox:
     """The chunks of one request, from the router to its reader."""
 
-    __slots__ = ("_wake", "chunks", "last_put", "limit", "request_id")
+    __slots__ = ("_wake", "chunks", "foreign", "last_put", "limit", "request_id", "senders")
 
     def __init__(self, request_id: str, limit: int) -> None:
         self.request_id = request_id
         self.chunks: deque[StreamChunk] = deque()
         self.limit = limit
         self.last_put = time.monotonic()
+        self.senders: set[str] = set()  # the workers assigned to it
+        self.foreign: list[tuple[str, StreamChunk]] = []  # from senders not assigned (yet)
         self._wake: anyio.Event | None = None
+
+    def assign(self, sender: str) -> list[StreamChunk]:
+        """``sender`` serves the request now; the chunks it sent before we knew."""
+        self.senders.add(sender)
+        early = [chunk for who, chunk in self.foreign if who == sender]
+        self.foreign = [(who, chunk) for who, chunk in self.foreign if who != sender]
+        return early
+
+    def hold(self, sender: str, chunk: StreamChunk) -> bool:
+        """False when too many are held already: refuse it."""
+        if len(self.foreign) >= _FOREIGN:
+            return False
+        self.foreign.append((sender, chunk))
+        return True
+
+    def reassign(self) -> int:
+        """A migration: no worker is assigned until the scheduler says; returns how many
+        held chunks are refused with the old assignments."""
+        refused = len(self.foreign)
+        self.senders.clear()
+        self.foreign.clear()
+        return refused
 
     def put(self, chunk: StreamChunk) -> bool:
         """False when full: the request is failed instead of growing without bound."""
@@ -75,6 +109,7 @@ class StreamRouter:
         self._inboxes: dict[str, Inbox] = {}
         self.unroutable = 0  # chunks for requests that already ended here
         self.overflows = 0
+        self.refused = 0  # chunks from a sender the scheduler never assigned to their request
 
     def open(self, request_id: str, max_tokens: int) -> Inbox:
         inbox = Inbox(request_id, max_tokens + _SLACK)
@@ -82,21 +117,45 @@ class StreamRouter:
         return inbox
 
     def close(self, request_id: str) -> None:
-        self._inboxes.pop(request_id, None)
+        inbox = self._inboxes.pop(request_id, None)
+        if inbox is not None and inbox.foreign:
+            self._refuse(inbox, inbox.foreign[0][0], len(inbox.foreign))
+
+    def reassign(self, inbox: Inbox) -> None:
+        refused = inbox.reassign()
+        if refused:
+            self.refused += refused
 
     def __len__(self) -> int:
         return len(self._inboxes)
 
     async def serve(self, sub) -> None:
-        async for _msg, batch in decoded(sub, codec.STREAM_BATCH, "stream batch"):
+        async for msg, batch in decoded(sub, codec.STREAM_BATCH, "stream batch"):
+            sender = subjects.stream_sender(msg.subject)
             for chunk in batch.chunks:
-                self._route(chunk)
+                self.route(chunk, sender)
 
-    def _route(self, chunk: StreamChunk) -> None:
+    def route(self, chunk: StreamChunk, sender: str) -> None:
         inbox = self._inboxes.get(chunk.request_id)
         if inbox is None:
             self.unroutable += 1
-        elif not inbox.put(chunk):
+        elif sender == subjects.SCHEDULER_SENDER:
+            if chunk.assigned is None:
+                self._deliver(inbox, chunk)  # an error the scheduler ends the stream with
+            else:
+                for early in inbox.assign(chunk.assigned):
+                    self._deliver(inbox, early)
+        elif sender in inbox.senders:
+            self._deliver(inbox, chunk)
+        elif not inbox.hold(sender, chunk):
+            self._refuse(inbox, sender, 1)
+
+    def _refuse(self, inbox: Inbox, sender: str, count: int) -> None:
+        self.refused += count
+        log.warning("refused %d chunk(s) of %s from %s, which it was not assigned to", count, inbox.request_id, sender)
+
+    def _deliver(self, inbox: Inbox, chunk: StreamChunk) -> None:
+        if not inbox.put(chunk):
             self.overflows += 1
             log.error("stream of %s overflowed; failing it", chunk.request_id)
             self.close(chunk.request_id)

@@ -90,6 +90,11 @@ class ServingMetrics:
         for reason in EDGE_REFUSAL_REASONS:
             self.edge_refusals.labels(reason=reason)
         self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.", registry=r)
+        self.stream_refused = Gauge(
+            "switchyard_stream_refused_chunks",
+            "Token chunks refused since start: sent by a worker the scheduler never assigned to their request.",
+            registry=r,
+        )
         self.bus_dropped = Gauge(
             "switchyard_bus_dropped_messages", "Messages a slow NATS subscription of this process dropped.", registry=r
         )

@@ -9,10 +9,13 @@ benchmark replays whole traces through this very code.
 Life of a request: queued -> prefill -> awaiting_decode -> decode -> (gone).
 A request placed on a ``both`` (colocated) worker, or sent as a ``LocalTask`` to a
 decode worker, goes from prefill to decode on the same worker with no handoff.
-A request whose worker is lost before prefill finished is queued again (at most the
-first token reached the client, and the ingress drops a repeated seq 0); one lost in
-decode fails here with ``worker_lost``, and the ingress, which holds the tokens it
-delivered, resubmits it as a continuation (prompt + those tokens, ``resume_from``).
+A request whose task never reached its worker (refused, or nobody listening) is queued
+again. One whose worker is lost once it had the task, in prefill or in decode, fails here
+with ``worker_lost``: only the ingress knows whether its first token reached the client, so
+the ingress submits it again (``attempt``), as a continuation after the tokens it delivered
+(prompt + those tokens, ``resume_from``) if there are any. A retried prefill therefore
+never samples a second token 0. A resubmitted request was admitted once: it is not refused
+for load, and it goes to the head of the queue.
 
 A scheduler that takes over from another (``scheduler.lease``) rolls call; each worker
 answers with the requests it holds, as the old scheduler charged them
@@ -125,7 +128,7 @@ class SchedulerCore:
         tracked = Tracked(spec=spec, enqueued_at=now, order=self._arrivals)
         self.requests[spec.request_id] = tracked
         self._decode_demand += tracked.decode_tokens
-        self._queue.push(tracked)
+        self._queue.push(tracked, front=spec.attempt > 0)
         self._capacity_changed()  # it may be the new head
         tracked.phase = "queued"
         actions = self._drain_prefill(now)
@@ -278,6 +281,8 @@ class SchedulerCore:
                 retry_after_s=1.0,
                 message=f"no {' and '.join(missing)} worker is available",
             )
+        if spec.attempt > 0:
+            return None  # admitted once already: its worker was lost, not its place
         tokens = len(spec.prompt_tokens)
         if len(self._queue) and self._queue.tokens + tokens > self.config.max_queued_tokens:
             return self._overloaded(rid, f"{self._queue.tokens} prompt tokens are already queued")
@@ -582,7 +587,7 @@ class SchedulerCore:
     def _retry_or_fail(self, tracked: Tracked, code: str, now: float) -> list[Action]:
         rid = tracked.spec.request_id
         can_retry = tracked.attempts < self.config.max_dispatch_attempts and not tracked.adopted
-        if tracked.phase == "prefill" and can_retry:
+        if tracked.phase == "prefill" and code == "dispatch_failed" and can_retry:
             self._queue.push(tracked, front=True)
             self._capacity_changed()  # a new head
             tracked.phase, tracked.worker_id, tracked.local = "queued", None, False

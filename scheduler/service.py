@@ -436,6 +436,11 @@ class SchedulerService:
         with tracing.tracer().start_as_current_span(f"scheduler.dispatch.{kind}", context=ctx) as span:
             span.set_attribute("switchyard.worker_id", action.worker_id)
             headers = tracing.inject()
+        # The ingress hears of the assignment before the worker hears of the task: on one
+        # server (and mostly across a cluster) it knows the sender before its first token.
+        await self._to_ingress(
+            action.task.spec.ingress_id, StreamChunk(request_id=rid, seq=0, assigned=action.worker_id)
+        )
         token = str(next(self._tokens))
         self._pending[token] = _PendingAck(action.worker_id, rid, self._clock() + self.config.dispatch_timeout_s)
         await self._nc.publish(
@@ -456,6 +461,10 @@ class SchedulerService:
         assert self._nc is not None
         await self._fence()
         log.warning("failing %s: %s", action.request_id, action.error.message)
-        chunk = StreamChunk(request_id=action.request_id, seq=0, error=action.error)
+        await self._to_ingress(action.ingress_id, StreamChunk(request_id=action.request_id, seq=0, error=action.error))
+
+    async def _to_ingress(self, ingress_id: str, chunk: StreamChunk) -> None:
+        assert self._nc is not None
         batch = StreamBatch(sender=self.scheduler_id, chunks=[chunk])
-        await self._nc.publish(subjects.stream(action.ingress_id), codec.STREAM_BATCH.encode(batch))
+        subject = subjects.stream(ingress_id, subjects.SCHEDULER_SENDER)
+        await self._nc.publish(subject, codec.STREAM_BATCH.encode(batch))

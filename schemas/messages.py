@@ -57,6 +57,10 @@ class RequestSpec(_Wire, frozen=True):
     # A request migrated after its worker was lost: the last ``resume_from`` prompt tokens are
     # output the client already has, and this run's first token is output position resume_from.
     resume_from: int = 0
+    # How many times the ingress submitted it again after losing its worker (a migration, or
+    # a retry before its first token): already admitted once, so it is not refused for load,
+    # and it goes to the head of the queue like any request that lost its worker.
+    attempt: int = 0
 
 
 # --- ingress -> scheduler (request/reply on SUBMIT) -------------------------------
@@ -352,6 +356,9 @@ class StreamChunk(_Wire, frozen=True):
     finish_reason: FinishReason | None = None
     usage: PromptUsage | None = None  # on the prefill worker's chunk (seq 0)
     error: StreamError | None = None  # terminal
+    # From the scheduler only: this worker now serves the request (prefill or decode), so
+    # its chunks are accepted. Chunks of a worker never assigned are refused (subjects.stream).
+    assigned: str | None = None
 
 
 class StreamBatch(_Wire, frozen=True):

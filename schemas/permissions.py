@@ -9,6 +9,7 @@ credentials cannot act as another:
   cannot publish a task, nor inject tokens into a stream;
 - a worker reports (events, KV events, tokens) and hears only its own tasks and
   snapshot requests: it cannot publish a task, read another worker's, or forge a Cancel;
+  it publishes tokens only under its own id, so it cannot pass as another worker;
 - the scheduler dispatches and keeps its JetStream buckets (sessions, its lease).
 
 Replies travel by NATS's ``allow_responses``: a role that answers requests may publish
@@ -47,7 +48,7 @@ def scheduler() -> Permissions:
             subjects.worker_tasks("*"),
             subjects.kv_snapshot("*"),
             subjects.ROLL_CALL,
-            subjects.stream("*"),  # a request's error chunk
+            subjects.stream("*", subjects.SCHEDULER_SENDER),  # assignments, a request's error chunk
             # Answers to submits, also late ones: a standby answers what it held once it takes
             # over, maybe on a new connection, where allow_responses no longer covers them.
             f"{INGRESS_INBOX}.>",
@@ -63,7 +64,8 @@ def scheduler() -> Permissions:
 
 def worker(worker_id: str) -> Permissions:
     return Permissions(
-        publish=(subjects.WORKER_EVENTS, subjects.KV_EVENTS, subjects.stream("*")),
+        # Tokens only under its own id: the ingress knows who sent them (subjects.stream).
+        publish=(subjects.WORKER_EVENTS, subjects.KV_EVENTS, subjects.stream("*", worker_id)),
         subscribe=(
             subjects.worker_tasks(worker_id),
             subjects.kv_snapshot(worker_id),
@@ -77,7 +79,7 @@ def worker(worker_id: str) -> Permissions:
 def ingress() -> Permissions:
     return Permissions(
         publish=(subjects.SUBMIT, subjects.CANCEL),
-        subscribe=(subjects.stream("*"), f"{INGRESS_INBOX}.>"),
+        subscribe=(subjects.stream("*", "*"), f"{INGRESS_INBOX}.>"),
         inbox_prefix=INGRESS_INBOX,
     )
 

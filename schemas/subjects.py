@@ -33,6 +33,25 @@ def kv_snapshot(worker_id: str) -> str:
     return f"{ROOT}.worker.{worker_id}.kvsnapshot"
 
 
-def stream(ingress_id: str) -> str:
-    """workers/scheduler -> one ingress, publish: StreamBatch (tokens of all its streams)."""
-    return f"{ROOT}.stream.{ingress_id}"
+# The sender token of the scheduler's stream messages (every replica: one role)
+SCHEDULER_SENDER = "scheduler"
+
+
+def stream(ingress_id: str, sender: str) -> str:
+    """workers/scheduler -> one ingress, publish: StreamBatch (tokens of all its streams).
+
+    The last token names the sender (a worker's id, or ``SCHEDULER_SENDER``). The NATS
+    permissions let each worker publish only under its own id, so the subject says who
+    sent a chunk and the ingress accepts a request's chunks only from the workers the
+    scheduler assigned to it."""
+    return f"{ROOT}.stream.{ingress_id}.{sender}"
+
+
+def streams_of(ingress_id: str) -> str:
+    """What one ingress subscribes to: the streams every sender publishes to it."""
+    return stream(ingress_id, "*")
+
+
+def stream_sender(subject: str) -> str:
+    """The sender token of a ``stream`` subject."""
+    return subject.rpartition(".")[2]

@@ -186,7 +186,7 @@ class WorkerBus:
 
     async def stream(self, ingress_id: str, chunks: list[StreamChunk]) -> None:
         batch = StreamBatch(sender=self.config.worker_id, chunks=chunks)
-        await self.nc.publish(subjects.stream(ingress_id), codec.STREAM_BATCH.encode(batch))
+        await self.nc.publish(subjects.stream(ingress_id, self.config.worker_id), codec.STREAM_BATCH.encode(batch))
 
 
 class WorkerRuntime:

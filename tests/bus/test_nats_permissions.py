@@ -82,7 +82,7 @@ async def test_the_roles_do_their_work(secured: Secured):
     ):
         tasks = await subscribe(worker, subjects.worker_tasks("prefill-0"))
         submits = await subscribe(scheduler, subjects.SUBMIT, queue=subjects.SCHEDULER_QUEUE)
-        streams = await subscribe(ingress, subjects.stream("ingress-1"))
+        streams = await subscribe(ingress, subjects.streams_of("ingress-1"))
 
         async def answer(sub, reply: bytes) -> None:
             async for msg in sub.messages:
@@ -94,7 +94,7 @@ async def test_the_roles_do_their_work(secured: Secured):
         await scheduler.flush()
         assert (await scheduler.request(subjects.worker_tasks("prefill-0"), b"task", timeout=5)).data == b"ack"
         assert (await ingress.request(subjects.SUBMIT, b"request", timeout=5)).data == b"admitted"
-        await worker.publish(subjects.stream("ingress-1"), b"tokens")
+        await worker.publish(subjects.stream("ingress-1", "prefill-0"), b"tokens")
         assert (await streams.next_msg(timeout=5)).data == b"tokens"
         kv = await scheduler.jetstream().create_key_value(bucket="switchyard_sessions")
         await kv.put("k", b"v")
@@ -112,7 +112,15 @@ async def test_a_worker_cannot_forge_a_cancel(secured: Secured):
 
 async def test_an_ingress_cannot_publish_a_task_nor_inject_into_a_stream(secured: Secured):
     assert await _denied(secured, "ingress", subjects.worker_tasks("prefill-0")) == 0
-    assert await _denied(secured, "ingress", subjects.stream("ingress-1")) == 0
+    assert await _denied(secured, "ingress", subjects.stream("ingress-1", "prefill-0")) == 0
+
+
+async def test_a_worker_cannot_pass_as_another_in_a_stream(secured: Secured):
+    """The subject names the sender: the ingress takes a request's tokens only from the
+    workers assigned to it, so a worker must not publish under another's id."""
+    worker = nats_auth.worker_user("decode-0")
+    assert await _denied(secured, worker, subjects.stream("ingress-1", "decode-1")) == 0
+    assert await _denied(secured, worker, subjects.stream("ingress-1", subjects.SCHEDULER_SENDER)) == 0
 
 
 @pytest.mark.parametrize("user", [nats_auth.worker_user("decode-0"), "ingress"])

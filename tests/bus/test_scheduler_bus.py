@@ -67,12 +67,21 @@ def _positions(chunks) -> list[int]:
     return sorted(c.seq + i for c in chunks for i in range(len(c.token_ids)))
 
 
-async def _collect(sub, rid: str, expect_tokens: int) -> list:
+async def _collect(sub, rid: str, expect_tokens: int, senders: list[tuple[str, str]] | None = None) -> list:
+    """The request's token chunks until ``expect_tokens``; in ``senders``, each chunk's
+    sender (from its subject) and what it was: the scheduler's assignments, or tokens."""
     chunks = []
     with anyio.fail_after(5):
         while sum(len(c.token_ids) for c in chunks) < expect_tokens:
-            batch = codec.STREAM_BATCH.decode((await sub.next_msg(timeout=5)).data)
-            chunks += [c for c in batch.chunks if c.request_id == rid]
+            msg = await sub.next_msg(timeout=5)
+            for c in codec.STREAM_BATCH.decode(msg.data).chunks:
+                if c.request_id != rid:
+                    continue
+                if senders is not None:
+                    sender = subjects.stream_sender(msg.subject)
+                    senders.append((sender, f"assigned {c.assigned}" if c.assigned else "tokens"))
+                if c.assigned is None:
+                    chunks.append(c)
     return chunks
 
 
@@ -99,13 +108,18 @@ async def test_a_request_flows_through_prefill_and_decode(nats):
         await tg.start(prefill.run)
         await tg.start(decode.run)
         await _wait(lambda: len(sched.core.workers) == 2)
-        sub = await nc.subscribe(subjects.stream("ing-test"))
+        sub = await nc.subscribe(subjects.streams_of("ing-test"))
         reply = await nc.request(
             subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r1"))), timeout=5
         )
         assert type(codec.SCHEDULER_REPLY.decode(reply.data)).__name__ == "Admitted"
-        chunks = await _collect(sub, "r1", 4)
+        senders: list[tuple[str, str]] = []
+        chunks = await _collect(sub, "r1", 4, senders)
         assert _positions(chunks) == [0, 1, 2, 3]
+        # Each worker announced by the scheduler before its first tokens, under its own id.
+        p, d = prefill.config.worker_id, decode.config.worker_id
+        assert senders[:2] == [("scheduler", f"assigned {p}"), (p, "tokens")]
+        assert senders[2] == ("scheduler", f"assigned {d}") and set(senders[3:]) == {(d, "tokens")}
         assert chunks[0].usage is not None and chunks[0].usage.prompt_tokens == 40
         assert [c.finish_reason for c in sorted(chunks, key=lambda c: c.seq)][-1] == "length"
         assert sum(c.finish_reason is not None for c in chunks) == 1
@@ -136,7 +150,7 @@ async def test_silent_worker_expires_and_its_prefill_is_redone_elsewhere(nats):
         # A "worker" that registers with an ultra-low load, then never answers a task.
         await _register_impostor(nc, "ghost")
         await _wait(lambda: "ghost" in sched.core.workers and len(sched.core.workers) == 2)
-        sub = await nc.subscribe(subjects.stream("ing-test"))
+        sub = await nc.subscribe(subjects.streams_of("ing-test"))
         await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r2"))), timeout=5)
         await _wait(lambda: "ghost" not in sched.core.workers, timeout_s=3)  # no responder: removed
         started = time.monotonic()
@@ -161,7 +175,7 @@ async def test_slow_consumer_drops_are_counted(nats):
     assert stats.dropped > 0
 
 
-async def test_a_worker_that_never_acks_times_out_and_its_prefill_is_redone(nats):
+async def test_a_worker_that_never_acks_times_out_and_its_request_is_handed_back_to_the_ingress(nats):
     sched = SchedulerService(
         SchedulerServiceConfig(nats_url=nats.url, dispatch_timeout_s=0.3, core=SchedulerConfig(worker_expiry_s=60))
     )
@@ -172,9 +186,20 @@ async def test_a_worker_that_never_acks_times_out_and_its_prefill_is_redone(nats
         mute = await nc.subscribe(subjects.worker_tasks("mute"))
         await _register_impostor(nc, "mute")
         await _wait(lambda: "mute" in sched.core.workers)
-        sub = await nc.subscribe(subjects.stream("ing-test"))
-        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r3"))), timeout=5)
+        sub = await nc.subscribe(subjects.streams_of("ing-test"))
+        spec = _spec("r3")
+        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec)), timeout=5)
+        # The worker may have run it: only the ingress knows if token 0 came, so it hears.
+        with anyio.fail_after(5):
+            while True:
+                batch = codec.STREAM_BATCH.decode((await sub.next_msg(timeout=5)).data)
+                errors = [c.error for c in batch.chunks if c.request_id == "r3" and c.error is not None]
+                if errors:
+                    break
+        assert errors[0].code == "worker_lost"
         await tg.start(build_worker(worker_config(nats.url, "prefill")).run)
+        again = msgspec.structs.replace(spec, attempt=1)  # as an ingress submits it again
+        await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=again)), timeout=5)
         chunks = await _collect(sub, "r3", 4)
         assert _positions(chunks) == [0, 1, 2, 3]
         assert "mute" not in sched.core.workers
@@ -193,7 +218,7 @@ async def test_a_short_prompt_is_prefilled_and_decoded_by_its_decode_worker(nats
         await tg.start(build_worker(worker_config(nats.url, "decode")).run)
         await _register_impostor(nc, "unused-prefill")  # it would never answer: a handoff would time out
         await _wait(lambda: len(sched.core.workers) == 2)
-        sub = await nc.subscribe(subjects.stream("ing-test"))
+        sub = await nc.subscribe(subjects.streams_of("ing-test"))
         await nc.request(
             subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r4", tokens=40))), timeout=5
         )

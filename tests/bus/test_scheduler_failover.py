@@ -76,7 +76,7 @@ class _Streams:
 
 
 async def _streams(nc, tg) -> _Streams:
-    streams = _Streams(await nc.subscribe(subjects.stream(_INGRESS)))
+    streams = _Streams(await nc.subscribe(subjects.streams_of(_INGRESS)))
     tg.start_soon(streams.serve)
     await nc.flush()
     return streams

@@ -1,5 +1,6 @@
 """Mid-stream migration: a decode worker SIGKILLed while it streams, the stream continues on
-another decode worker, and the client's greedy text is the undisturbed run's."""
+another decode worker, and the client's greedy text is the undisturbed run's; and a stream
+takes tokens only from the workers the scheduler assigned to it."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import re
 import signal
 import subprocess
 
+import anyio
 import httpx
+import nats
 import openai
 
 from switchyard import procs
 from switchyard.scheduler.config import SchedulerConfig
+from switchyard.schemas import StreamBatch, StreamChunk, codec, subjects
 from tests.support.stack import MODEL, running_stack, worker_config
 
 PROMPT = [{"role": "user", "content": "Count the wagons in the yard, then the carriages."}]
@@ -67,3 +71,44 @@ def test_stream_continues_on_another_decode_worker_with_the_same_text(nats):
         metrics = httpx.get(stack.ingress.url + "/metrics").text
         assert _metric(metrics, 'switchyard_migrations_total{outcome="resumed"}') == 1
         assert _metric(metrics, "switchyard_recomputed_tokens_total") > 0
+
+
+def test_a_stream_takes_no_tokens_from_a_worker_not_assigned_to_it(nats):
+    """Another process forges the rest of a live stream (tokens and a finish) under a worker
+    id of its own: the ingress refuses them, counts them, and the client's text is the
+    undisturbed run's. (With NATS permissions, `up`'s default, it cannot even publish under
+    a real worker's id: tests/bus/test_nats_permissions.py.)"""
+    with running_stack(nats.url, decode=0) as stack:
+        child = _decode_process(nats.url)
+        try:
+            stack.wait_healthy(prefill=1, decode=1, timeout_s=20)
+            client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30)
+            stream = client.chat.completions.create(
+                model=MODEL, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
+            parts, forged = [], False
+            for chunk in stream:
+                parts += [choice.delta.content or "" for choice in chunk.choices]
+                if not forged and len(parts) >= 3:
+                    anyio.run(_forge, nats.url, stack.ingress.config.ingress_id, chunk.id)
+                    forged = True
+            undisturbed = client.chat.completions.create(
+                model=MODEL, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+            )
+        finally:
+            procs.stop([child])
+        assert "".join(parts) == undisturbed.choices[0].message.content
+        metrics = httpx.get(stack.ingress.url + "/metrics").text
+        assert _metric(metrics, "switchyard_stream_refused_chunks") == 4
+
+
+async def _forge(nats_url: str, ingress_id: str, request_id: str) -> None:
+    chunks = [StreamChunk(request_id=request_id, seq=seq, token_ids=[7]) for seq in range(1, 4)]
+    chunks.append(StreamChunk(request_id=request_id, seq=4, token_ids=[7], finish_reason="stop"))
+    nc = await nats.connect(nats_url)
+    try:
+        batch = StreamBatch(sender="decode-0", chunks=chunks)  # the body's say counts for nothing
+        await nc.publish(subjects.stream(ingress_id, "intruder"), codec.STREAM_BATCH.encode(batch))
+        await nc.flush()
+    finally:
+        await nc.close()

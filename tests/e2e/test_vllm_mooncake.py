@@ -137,7 +137,7 @@ def test_the_segment_dying_between_prefill_and_decode_means_recompute(stack, bus
         async def on_batch(msg):
             chunks.extend(c for c in codec.STREAM_BATCH.decode(msg.data).chunks if c.request_id == spec.request_id)
 
-        await bus._nc.subscribe(subjects.stream("test-ingress"), cb=on_batch)
+        await bus._nc.subscribe(subjects.streams_of("test-ingress"), cb=on_batch)
 
     async def dispatch(worker_id: str, task) -> TaskAck:
         reply = await bus._nc.request(subjects.worker_tasks(worker_id), codec.WORKER_TASK.encode(task), timeout=5)

@@ -387,15 +387,22 @@ def test_check_sampling_accepts_the_edges() -> None:
 from switchyard.ingress.streams import StreamRouter  # noqa: E402
 from switchyard.schemas import StreamBatch  # noqa: E402
 
+SCHEDULER = "scheduler"  # subjects.SCHEDULER_SENDER
 
-def _route_all(router: StreamRouter, *chunks) -> None:
+
+def _assign(router: StreamRouter, request_id: str, worker: str = "w") -> None:
+    router.route(StreamChunk(request_id=request_id, seq=0, assigned=worker), SCHEDULER)
+
+
+def _route_all(router: StreamRouter, *chunks, sender: str = "w") -> None:
     for c in chunks:
-        router._route(c)
+        router.route(c, sender)
 
 
 def test_router_delivers_to_the_open_inbox_only() -> None:
     router = StreamRouter()
     inbox = router.open("r", max_tokens=4)
+    _assign(router, "r")
     _route_all(
         router, StreamChunk(request_id="r", seq=0, token_ids=[1]), StreamChunk(request_id="other", seq=0, token_ids=[2])
     )
@@ -409,11 +416,61 @@ def test_router_delivers_to_the_open_inbox_only() -> None:
 def test_router_fails_an_overflowing_stream_instead_of_growing() -> None:
     router = StreamRouter()
     inbox = router.open("r", max_tokens=2)
+    _assign(router, "r")
     for i in range(inbox.limit + 5):
-        router._route(StreamChunk(request_id="r", seq=i, token_ids=[i]))
+        router.route(StreamChunk(request_id="r", seq=i, token_ids=[i]), "w")
     assert router.overflows == 1 and len(router) == 0
     assert len(inbox.chunks) == inbox.limit + 1
     assert inbox.chunks[-1].error is not None and inbox.chunks[-1].error.code == "overflow"
+
+
+def test_router_takes_chunks_only_from_the_workers_assigned() -> None:
+    router = StreamRouter()
+    inbox = router.open("r", max_tokens=8)
+    _assign(router, "r", "prefill-0")
+    _route_all(router, StreamChunk(request_id="r", seq=0, token_ids=[1]), sender="prefill-0")
+    _route_all(router, StreamChunk(request_id="r", seq=1, token_ids=[66]), sender="intruder")
+    assert [c.token_ids for c in inbox.chunks] == [[1]]  # held: it might be assigned yet
+    _assign(router, "r", "decode-0")
+    _route_all(router, StreamChunk(request_id="r", seq=1, token_ids=[2]), sender="decode-0")
+    router.route(StreamChunk(request_id="r", seq=0, error=StreamError(code="x", message="m")), SCHEDULER)
+    assert [c.token_ids for c in inbox.chunks] == [[1], [2], []]
+    assert router.refused == 0
+    router.close("r")  # the intruder was never assigned: its held chunk is refused
+    assert router.refused == 1
+
+
+def test_router_delivers_early_chunks_once_their_sender_is_assigned() -> None:
+    """Across a NATS cluster a worker's token may overtake the scheduler's announcement."""
+    router = StreamRouter()
+    inbox = router.open("r", max_tokens=8)
+    _route_all(router, StreamChunk(request_id="r", seq=0, token_ids=[7]), sender="prefill-1")
+    assert not inbox.chunks
+    _assign(router, "r", "prefill-1")
+    assert [c.token_ids for c in inbox.chunks] == [[7]] and router.refused == 0
+
+
+def test_router_holds_a_bounded_number_of_foreign_chunks() -> None:
+    router = StreamRouter()
+    router.open("r", max_tokens=1000)
+    for i in range(100):
+        router.route(StreamChunk(request_id="r", seq=i, token_ids=[i]), "intruder")
+    assert router.refused == 100 - 32
+    router.close("r")
+    assert router.refused == 100
+
+
+def test_a_migration_refuses_the_lost_runs_late_chunks() -> None:
+    router = StreamRouter()
+    inbox = router.open("r", max_tokens=8)
+    _assign(router, "r", "decode-0")
+    router.reassign(inbox)  # decode-0 was lost; the request is submitted again
+    _route_all(router, StreamChunk(request_id="r", seq=3, token_ids=[9]), sender="decode-0")
+    _assign(router, "r", "decode-1")
+    _route_all(router, StreamChunk(request_id="r", seq=3, token_ids=[4]), sender="decode-1")
+    assert [c.token_ids for c in inbox.chunks] == [[4]]
+    router.close("r")
+    assert router.refused == 1
 
 
 def test_router_expires_silent_streams_only() -> None:

@@ -7,6 +7,7 @@ import functools
 from pathlib import Path
 
 import anyio.lowlevel
+import msgspec
 import pytest
 from opentelemetry.trace import INVALID_SPAN
 
@@ -127,22 +128,26 @@ def test_last_token_left_ends_at_the_continuations_first_token() -> None:
 class _Scheduler:
     """Takes continuations; ``answer`` says what the new run streams, or what it refuses with."""
 
-    def __init__(self, inbox: Inbox, answer: list[StreamChunk] | ApiError) -> None:
-        self.inbox, self.answer = inbox, answer
+    def __init__(self, inbox: Inbox, answer: list[StreamChunk] | ApiError, refusals: int = 0) -> None:
+        self.inbox, self.answer, self.refusals = inbox, answer, refusals
         self.submitted: list[RequestSpec] = []
 
     async def resubmit(self, spec: RequestSpec, ctx: object) -> None:
         self.submitted.append(spec)
+        if len(self.submitted) <= self.refusals:
+            raise Unavailable("no prefill worker is available", retry_after_s=1.0)
         if isinstance(self.answer, ApiError):
             raise self.answer
         for chunk in self.answer:
             self.inbox.put(chunk)
 
 
-def _generation(spec: RequestSpec, scheduler_answer, max_migrations: int = 2) -> tuple[Generation, _Scheduler]:
+def _generation(
+    spec: RequestSpec, scheduler_answer, max_migrations: int = 2, refusals: int = 0, wait_s: float = 0.0
+) -> tuple[Generation, _Scheduler]:
     tokenizer = ModelTokenizer.load(SIM_TINY)
     inbox = Inbox(spec.request_id, 64)
-    scheduler = _Scheduler(inbox, scheduler_answer)
+    scheduler = _Scheduler(inbox, scheduler_answer, refusals)
     ctx = GenerationContext(
         nc=None,  # type: ignore[arg-type]  # a Generation publishes only in its cleanup
         router=StreamRouter(),
@@ -150,6 +155,7 @@ def _generation(spec: RequestSpec, scheduler_answer, max_migrations: int = 2) ->
         continuation=functools.partial(continuation_spec, key_scheme=BLAKE),
         resubmit=scheduler.resubmit,
         max_migrations=max_migrations,
+        migration_wait_s=wait_s,
     )
     generation = Generation(
         ctx=ctx,
@@ -198,7 +204,7 @@ async def test_a_lost_stream_is_resubmitted_after_its_delivered_tokens_and_conti
     generation.inbox.put(StreamChunk(request_id="r", seq=0, error=LOST))
     text = await _run(generation)
     (cont,) = scheduler.submitted
-    assert cont.prompt_tokens == spec.prompt_tokens + OUTPUT[:3] and cont.resume_from == 3
+    assert cont.prompt_tokens == spec.prompt_tokens + OUTPUT[:3] and cont.resume_from == 3 and cont.attempt == 1
     assert cont.sampling.max_tokens == 5
     assert generation.output == OUTPUT and generation.assembler.tokens == 8
     assert text == ModelTokenizer.load(SIM_TINY).decode(OUTPUT)
@@ -230,10 +236,49 @@ async def test_a_stream_that_cannot_migrate_ends_with_the_error(max_migrations, 
 
 
 @pytest.mark.anyio
-async def test_a_stream_lost_before_its_first_token_is_not_migrated() -> None:
+async def test_a_stream_lost_before_its_first_token_is_submitted_again_as_it_was() -> None:
+    spec = make_spec("r", prompt_len=20, max_tokens=8)
+    usage = PromptUsage(prompt_tokens=20, cached_tokens=0)
+    generation, scheduler = _generation(
+        spec, [_chunk(spec, 0, OUTPUT[:1], usage=usage), _chunk(spec, 1, OUTPUT[1:], "length")]
+    )
+    generation.inbox.put(StreamChunk(request_id="r", seq=0, error=LOST))
+    assert await _run(generation) == ModelTokenizer.load(SIM_TINY).decode(OUTPUT)
+    (retry,) = scheduler.submitted
+    assert retry == msgspec.structs.replace(spec, attempt=1)  # same prompt, nothing to resume
+    assert (generation.migrations, generation.recomputed_tokens) == (1, 0)
+
+
+@pytest.mark.anyio
+async def test_a_prefill_lost_after_token_0_continues_after_it_without_sampling_it_again() -> None:
+    spec = make_spec("r", prompt_len=20, max_tokens=8)
+    usage = PromptUsage(prompt_tokens=20, cached_tokens=0)
+    generation, scheduler = _generation(spec, [_chunk(spec, 1, OUTPUT[1:], "length", usage=usage)])
+    generation.inbox.put(_chunk(spec, 0, OUTPUT[:1], usage=usage))  # token 0, then its worker died
+    generation.inbox.put(StreamChunk(request_id="r", seq=0, error=LOST))
+    await _run(generation)
+    (cont,) = scheduler.submitted
+    assert cont.prompt_tokens == spec.prompt_tokens + OUTPUT[:1] and cont.resume_from == 1 and cont.attempt == 1
+    assert generation.output == OUTPUT
+
+
+@pytest.mark.anyio
+async def test_a_migration_waits_a_while_for_a_worker_of_the_role_to_be_back() -> None:
+    spec = make_spec("r", prompt_len=20, max_tokens=8)
+    rest = [_chunk(spec, 2, OUTPUT[2:], "length", usage=PromptUsage(prompt_tokens=22, cached_tokens=0))]
+    generation, scheduler = _generation(spec, rest, refusals=3, wait_s=60.0)
+    generation.inbox.put(_chunk(spec, 0, OUTPUT[:2]))
+    generation.inbox.put(StreamChunk(request_id="r", seq=0, error=LOST))
+    await _run(generation)
+    assert len(scheduler.submitted) == 4 and generation.output == OUTPUT  # three 503s, then served
+
+
+@pytest.mark.anyio
+async def test_an_error_of_the_request_itself_is_not_migrated() -> None:
     spec = make_spec("r", prompt_len=20, max_tokens=8)
     generation, scheduler = _generation(spec, [])
-    generation.inbox.put(StreamChunk(request_id="r", seq=0, error=LOST))
+    generation.inbox.put(_chunk(spec, 0, OUTPUT[:2]))
+    generation.inbox.put(StreamChunk(request_id="r", seq=0, error=StreamError(code="prefill_failed", message="m")))
     with pytest.raises(StreamFailed):
         await _run(generation)
     assert scheduler.submitted == []

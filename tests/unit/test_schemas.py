@@ -32,6 +32,7 @@ SPEC = m.RequestSpec(
     priority=3,
     deadline_s=2.5,
     resume_from=2,
+    attempt=1,
 )
 HANDLE = m.SimKvHandle(worker_id="p-1", block_keys=[2**64 - 1, 3], num_tokens=5)
 STATS = m.EngineStats(
@@ -176,6 +177,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
                     finish_reason="length",
                     usage=USAGE,
                     error=m.StreamError(code="worker_lost", message="gone"),
+                    assigned="d-2",
                 ),
                 m.StreamChunk(request_id="r-43", seq=0, token_ids=[9]),
             ],
@@ -308,7 +310,7 @@ def test_messages_are_frozen() -> None:
 # --- subjects ------------------------------------------------------------------------
 
 # Module constants that are not subjects: the version, its root, and a queue-group name.
-NOT_SUBJECTS = {"WIRE_VERSION", "ROOT", "SCHEDULER_QUEUE"}
+NOT_SUBJECTS = {"WIRE_VERSION", "ROOT", "SCHEDULER_QUEUE", "SCHEDULER_SENDER"}
 SUBJECT_RE = re.compile(r"^sy\.v1(\.[A-Za-z0-9_-]+)+$")
 
 
@@ -321,7 +323,11 @@ def _subject_constants() -> dict[str, str]:
 
 
 def _all_subjects() -> list[str]:
-    return [*_subject_constants().values(), subjects.worker_tasks("prefill-1a2b"), subjects.stream("ingress-9")]
+    return [
+        *_subject_constants().values(),
+        subjects.worker_tasks("prefill-1a2b"),
+        subjects.stream("ingress-9", "prefill-1a2b"),
+    ]
 
 
 def test_subject_constants_are_found() -> None:
@@ -338,5 +344,7 @@ def test_subjects_are_distinct_and_per_id() -> None:
     everything = _all_subjects()
     assert len(set(everything)) == len(everything)
     assert subjects.worker_tasks("a") != subjects.worker_tasks("b")
-    assert subjects.stream("a") != subjects.stream("b")
+    assert subjects.stream("a", "w") != subjects.stream("b", "w") != subjects.stream("b", "v")
+    assert subjects.stream_sender(subjects.stream("a", "prefill-0")) == "prefill-0"
+    assert subjects.streams_of("a") == subjects.stream("a", "*")
     assert subjects.WIRE_VERSION == "v1" and subjects.ROOT == "sy.v1"
