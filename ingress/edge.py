@@ -18,10 +18,12 @@ uvicorn's httptools protocol bounds none of this, so ``EdgeProtocol`` adds, per 
   ``Retry-After``.
 
 A refusal is an OpenAI error body with ``connection: close``, written here, and the
-connection closes. Each refusal, a dropped slow reader and a fresh connection closed idle
-count in ``switchyard_edge_refusals_total{reason}`` (observability.metrics); a kept-alive
-connection closed idle after a response is the normal end of one, not counted. Everything runs in protocol callbacks on the event loop: no awaits, one
+connection closes. Everything runs in protocol callbacks on the event loop: no awaits, one
 read timer and one write timer per connection.
+
+Each refusal, each slow reader dropped and each fresh connection closed idle is counted in
+``switchyard_edge_refusals_total{reason}`` (observability.metrics); a kept-alive connection
+closed idle after a response is the normal end of one, not counted.
 
 Counting the head: bytes are counted from the first byte of a request until the blank line
 that ends its head, found by scanning each chunk (the 3 bytes before it carried over). A
@@ -79,7 +81,8 @@ def edge_protocol(limits: EdgeLimits, metrics: ServingMetrics) -> type[asyncio.P
 
 
 class EdgeProtocol(HttpToolsProtocol):
-    limits: EdgeLimits  # set on the subclass edge_protocol() makes, as is
+    # Both set on the subclass edge_protocol() makes.
+    limits: EdgeLimits
     metrics: ServingMetrics
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
