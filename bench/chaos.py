@@ -167,6 +167,8 @@ class Outcome:
     status: int = 0
     started_s: float = 0.0
     ended_s: float = 0.0
+    events: int = 0  # SSE data lines received (a stalled stream: how far it got)
+    last_event_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ async def _one(client: httpx.AsyncClient, request: Request, bounds: Bounds, t0: 
     out = Outcome(started_s=time.monotonic() - t0)
     with anyio.move_on_after(bounds.request_s) as scope:
         try:
-            await _stream(client, request, out)
+            await _stream(client, request, out, t0)
         except httpx.TimeoutException:
             out.ended_as, out.error = "hang", f"no byte for {bounds.idle_s:.0f} s"
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
@@ -190,7 +192,7 @@ async def _one(client: httpx.AsyncClient, request: Request, bounds: Bounds, t0: 
     return out
 
 
-async def _stream(client: httpx.AsyncClient, request: Request, out: Outcome) -> None:
+async def _stream(client: httpx.AsyncClient, request: Request, out: Outcome, t0: float) -> None:
     body = {
         "model": MODEL,
         "prompt": request.prompt,
@@ -200,6 +202,13 @@ async def _stream(client: httpx.AsyncClient, request: Request, out: Outcome) -> 
         "temperature": 0,
     }
     parts: list[str] = []
+    try:
+        await _read_events(client, body, out, t0, parts)
+    finally:
+        out.text = "".join(parts)  # whole, or as far as a failed stream got
+
+
+async def _read_events(client: httpx.AsyncClient, body: dict, out: Outcome, t0: float, parts: list[str]) -> None:
     async with client.stream("POST", "/v1/completions", json=body) as response:
         out.status = response.status_code
         if response.status_code != 200:
@@ -208,8 +217,8 @@ async def _stream(client: httpx.AsyncClient, request: Request, out: Outcome) -> 
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
+            out.events, out.last_event_s = out.events + 1, time.monotonic() - t0
             if line == "data: [DONE]":
-                out.text = "".join(parts)
                 out.ended_as = "completed" if out.finish_reason is not None else "broken"
                 return
             event = _EVENT.decode(line[6:])
@@ -712,29 +721,24 @@ def classify(reference: Outcome, got: Outcome) -> str:
 
 
 def summarize(run: Run, reference: Run) -> dict:
-    valid = [i for i, o in enumerate(reference.outcomes) if o.ended_as == "completed"]
-    kinds = [classify(reference.outcomes[i], run.outcomes[i]) for i in valid]
-    counts = Counter(kinds)
-    completed = counts["identical"] + counts["different"]
-    errors = Counter(
-        run.outcomes[i].error for i, kind in zip(valid, kinds, strict=True) if kind in ("clean_error", "hang", "broken")
-    )
+    """One run's figures; only requests the reference completed are compared."""
+    judged = [
+        (run.outcomes[i], classify(ref, run.outcomes[i]), ref)
+        for i, ref in enumerate(reference.outcomes)
+        if ref.ended_as == "completed"
+    ]
+    counts = Counter(kind for _, kind, _ in judged)
+    failed = [got for got, kind, _ in judged if kind in ("clean_error", "hang", "broken")]
     differences = [
-        {
-            "request": i,
-            "reference": _excerpt(reference.outcomes[i]),
-            "got": _excerpt(run.outcomes[i]),
-        }
-        for i, kind in zip(valid, kinds, strict=True)
-        if kind == "different"
-    ][:5]
+        {"reference": _excerpt(ref), "got": _excerpt(got)} for got, kind, ref in judged if kind == "different"
+    ]
     summary = {
         "run": run.name,
         "killed": list(run.kinds),
         "requests": len(run.outcomes),
-        "compared": len(valid),
+        "compared": len(judged),
         **{k: counts[k] for k in OUTCOMES},
-        "completed_share": completed / max(1, len(valid)),
+        "completed_share": (counts["identical"] + counts["different"]) / max(1, len(judged)),
         "duration_s": round(run.duration_s, 2),
         "recomputed_tokens": int(run.counters.get("recomputed_tokens", 0)),
         "migrations": {k.removeprefix("migrations_"): int(v) for k, v in run.counters.items() if k.startswith("migr")},
@@ -749,8 +753,10 @@ def summarize(run: Run, reference: Run) -> dict:
         },
         "restarts": run.restarts,
         "kills": [asdict(k) for k in run.kills],
-        "errors": dict(errors.most_common(10)),
-        "differences": differences,
+        "errors": dict(Counter(o.error for o in failed).most_common(10)),
+        # how far each hung stream got: SSE events it received before it stalled -> requests
+        "hang_events": dict(sorted(Counter(got.events for got, kind, _ in judged if kind == "hang").items())),
+        "differences": differences[:5],
     }
     summary["goals"] = _goals(summary)
     return summary
@@ -849,15 +855,26 @@ def plot_timeline(run: Run, reference: list[Outcome], out: Path) -> Path:
     kinds = [
         classify(r, o) if r.ended_as == "completed" else "broken" for r, o in zip(reference, run.outcomes, strict=True)
     ]
-    for kind in OUTCOMES:
-        ends = [o.ended_s for o, k in zip(run.outcomes, kinds, strict=True) if k == kind]
+    for kind in OUTCOMES:  # a hang is drawn where it stalled: its last event
+        ends = [
+            o.last_event_s if kind == "hang" else o.ended_s
+            for o, k in zip(run.outcomes, kinds, strict=True)
+            if k == kind
+        ]
+        label = "hang (at its last event)" if kind == "hang" else kind.replace("_", " ")
         if ends:
-            ax.hist(ends, bins=bins, histtype="step", color=_COLORS[kind], label=kind.replace("_", " "))
+            ax.hist(ends, bins=bins, histtype="step", color=_COLORS[kind], label=label)
     seen: set[str] = set()
     for kill in run.kills:
-        label = None if kill.kind in seen else f"{kill.kind} killed"
+        first = kill.kind not in seen
         seen.add(kill.kind)
-        ax.axvline(kill.at_s, color=_KILL_COLORS[kill.kind], linestyle="--", linewidth=1, label=label)
+        ax.axvline(
+            kill.at_s,
+            color=_KILL_COLORS[kill.kind],
+            linestyle="--",
+            linewidth=1,
+            label=f"{kill.kind} killed" if first else None,
+        )
     path = out / f"timeline-{run.name}.png"
     plots.save(
         fig, ax, path, title=f"Chaos run {run.name}", xlabel="seconds from the run's start", ylabel="requests ended / s"
@@ -889,7 +906,27 @@ def run(args: argparse.Namespace) -> int:
         "runs": summaries,
         "recovery_s": _recovery_percentiles(summaries[1:]),
         "outcomes": {
-            r.name: [[o.ended_as, round(o.started_s, 3), round(o.ended_s, 3), o.error] for o in r.outcomes]
+            r.name: {
+                "columns": ["ended_as", "started_s", "ended_s", "events", "last_event_s", "error"],
+                "rows": [
+                    [
+                        o.ended_as,
+                        round(o.started_s, 3),
+                        round(o.ended_s, 3),
+                        o.events,
+                        round(o.last_event_s, 3),
+                        o.error,
+                    ]
+                    for o in r.outcomes
+                ],
+            }
+            for r in [reference, *runs]
+        },
+        "watch": {
+            r.name: {
+                "probes_sent_ended_ok": [[round(a, 3), round(b, 3), ok] for a, b, ok in r.watch.probes],
+                "health_at_whole": [[round(a, 3), whole] for a, whole in r.watch.health],
+            }
             for r in [reference, *runs]
         },
     }
