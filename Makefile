@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TINY_MODEL ?= .cache/tiny-llama
 
-.PHONY: run test lint install bench-overhead bench-kv clean
+.PHONY: run test lint install bench-overhead bench-chaos bench-kv clean
 
 $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh
 	bash scripts/install-system-deps.sh
@@ -38,6 +38,9 @@ test: lint
 
 bench-overhead: install
 	$(VENV)/bin/switchyard bench overhead --out bench/results/overhead
+
+bench-chaos: install
+	$(VENV)/bin/switchyard bench chaos --out bench/results/chaos
 
 bench-kv: install $(TINY_MODEL)/switchyard-tiny.json
 	$(VENV)/bin/switchyard bench kv --model $(TINY_MODEL) --out bench/results/kv
