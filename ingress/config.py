@@ -63,6 +63,13 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
     max_migrations: Annotated[
         int, setting("times a stream whose worker is lost continues on another (0: it fails at once)", ge=0)
     ] = 2
+    reconnect_stall_s: Annotated[
+        float,
+        setting(
+            "after the NATS connection came back, a stream that makes no progress this long continues elsewhere",
+            gt=0,
+        ),
+    ] = 3.0
     migration_wait_s: Annotated[
         float,
         setting("how long a stream whose worker is lost waits for a worker of that role to be there again", ge=0),

@@ -43,8 +43,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.errors import ApiError, HeadersTooLarge, RequestTimeout, Unavailable
-from switchyard.observability import ServingMetrics
-from switchyard.observability.metrics import EDGE_REFUSAL_REASONS
+from switchyard.observability import EDGE_REFUSAL_REASONS, ServingMetrics
 
 log = logging.getLogger(__name__)
 

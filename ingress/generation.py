@@ -5,8 +5,11 @@ streams; on any ending that the workers did not cause (a disconnect, a stop stri
 an error) it broadcasts a ``Cancel`` so that every worker drops the request. Cleanup
 is shielded, so a cancelled request still cancels, counts and closes its span.
 
-A stream whose worker is lost (``worker_lost``, in prefill or in decode) or whose
-scheduler was replaced before it knew the prompt (``scheduler_failover``) migrates: the
+A stream whose worker is lost (``worker_lost``, in prefill or in decode), whose
+scheduler was replaced before it knew the prompt (``scheduler_failover``), or whose
+chunks were lost while the NATS connection was down (``stream_lost``) migrates. Its
+run may still be alive (a worker taken for dead), so it is cancelled first, up to its
+attempt only (``Cancel.attempt``); then the
 ingress holds the prompt and every token it delivered, so it submits the request again
 (same id, same route, no ``Cancel``, ``attempt`` counting up) with those tokens appended
 to the prompt and ``resume_from`` set to their count; with none delivered yet, as it
@@ -49,7 +52,7 @@ _SSE_HEADERS = [
 ]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 # Errors that end a run, not the request: it continues elsewhere (see the module's note).
-_MIGRATABLE = frozenset({"worker_lost", "scheduler_failover"})
+_MIGRATABLE = frozenset({"worker_lost", "scheduler_failover", "stream_lost"})
 
 
 @dataclass
@@ -174,6 +177,7 @@ class Generation:
             now = time.monotonic()
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
+            self.inbox.progress_at = now
         return tokens
 
     async def _migrate(self, failed: StreamFailed) -> None:
@@ -186,10 +190,15 @@ class Generation:
         if self.migrations >= self.ctx.max_migrations or delivered >= self.spec.sampling.max_tokens:
             migrations.labels(outcome="exhausted").inc()
             raise failed
+        # Its run may be alive (a worker taken for dead, a stream cut by the bus): end it
+        # before the next one starts, which the cancel does not cover.
+        cancel = Cancel(request_id=self.spec.request_id, reason=error.code, attempt=self.migrations)
+        await self.ctx.nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
         self.migrations += 1
         spec = self.ctx.continuation(self.spec, self.output) if delivered else self.spec
         spec = msgspec.structs.replace(spec, attempt=self.migrations)
         self.ctx.router.reassign(self.inbox)
+        self.sequencer.drop_ahead()
         try:
             await self._resubmit(spec)
         except ApiError as refused:

@@ -71,7 +71,7 @@ class IngressService:
                 async with anyio.create_task_group() as tg:
                     tokens = await subscribe(nc, subjects.streams_of(cfg.ingress_id))
                     tg.start_soon(self.router.serve, tokens)
-                    tg.start_soon(self.router.watch_idle, cfg.stream_idle_timeout_s)
+                    tg.start_soon(self.router.watch_idle, cfg.stream_idle_timeout_s, cfg.reconnect_stall_s, self.stats)
                     await nc.flush()
                     tg.start_soon(self._serve_http, server, sock, tg.cancel_scope)
                     while not server.started:  # noqa: ASYNC110 (uvicorn offers a flag, no event)

@@ -21,6 +21,13 @@ is held, a few per request, in case the announcement is still on its way (two
 publishers are not ordered across a NATS cluster), and refused (counted) if none comes
 before the stream ends. A migration starts the list afresh: the lost run's late chunks
 are refused.
+
+Core NATS delivers at most once: while the connection is down (a nats-server restart),
+chunks are lost, and a stream waiting for them would wait for the idle timeout. So when
+the connection comes back, every stream is suspect for a while; a suspect stream that
+has begun and makes no progress for ``stall_s`` (a gap it cannot fill, or silence) is
+failed with ``stream_lost``, and its generation continues it elsewhere after the tokens
+it has (``ingress.generation``), as when its worker dies.
 """
 
 from __future__ import annotations
@@ -32,19 +39,30 @@ from collections import deque
 import anyio
 
 from switchyard.ingress.errors import IngressError
-from switchyard.observability import decoded
+from switchyard.observability import BusStats, decoded
 from switchyard.schemas import PromptUsage, StreamChunk, StreamError, codec, subjects
 
 log = logging.getLogger(__name__)
 
 _SLACK = 16
 _FOREIGN = 32  # chunks held per request from a sender not (yet) assigned
+_SUSPECT_S = 30.0  # how long after a reconnect a stream is watched for a stall
 
 
 class Inbox:
     """The chunks of one request, from the router to its reader."""
 
-    __slots__ = ("_wake", "chunks", "foreign", "last_put", "limit", "request_id", "senders")
+    __slots__ = (
+        "_wake",
+        "chunks",
+        "foreign",
+        "last_put",
+        "limit",
+        "progress_at",
+        "request_id",
+        "senders",
+        "suspect_since",
+    )
 
     def __init__(self, request_id: str, limit: int) -> None:
         self.request_id = request_id
@@ -53,6 +71,8 @@ class Inbox:
         self.last_put = time.monotonic()
         self.senders: set[str] = set()  # the workers assigned to it
         self.foreign: list[tuple[str, StreamChunk]] = []  # from senders not assigned (yet)
+        self.progress_at: float | None = None  # when its reader last took a token
+        self.suspect_since: float | None = None  # when the bus came back, while it is watched
         self._wake: anyio.Event | None = None
 
     def assign(self, sender: str) -> list[StreamChunk]:
@@ -170,10 +190,40 @@ class StreamRouter:
             inbox.fail("timeout", f"no token for {idle_s:.0f} s")
         return len(stale)
 
-    async def watch_idle(self, idle_s: float) -> None:
+    def suspect_all(self, now: float | None = None) -> None:
+        """The bus came back: chunks of any stream may have been lost meanwhile."""
+        now = time.monotonic() if now is None else now
+        for inbox in self._inboxes.values():
+            inbox.suspect_since = now
+
+    def expire_stalled(self, stall_s: float, now: float | None = None) -> int:
+        """Fail, as ``stream_lost``, every suspect stream that has begun and has taken no
+        token for ``stall_s``; its route stays open for the run that continues it."""
+        now = time.monotonic() if now is None else now
+        stalled = 0
+        for inbox in self._inboxes.values():
+            since = inbox.suspect_since
+            if since is None or inbox.progress_at is None:
+                continue
+            if now - since > _SUSPECT_S:
+                inbox.suspect_since = None
+            elif now - max(since, inbox.progress_at) > stall_s:
+                inbox.suspect_since = None
+                inbox.fail("stream_lost", f"no token for {stall_s:g} s after the NATS connection came back")
+                stalled += 1
+        return stalled
+
+    async def watch_idle(self, idle_s: float, stall_s: float = 3.0, stats: BusStats | None = None) -> None:
+        """Fail silent streams; after each reconnect (``stats``), stalled ones."""
+        reconnects = stats.reconnects if stats is not None else 0
         while True:
-            await anyio.sleep(min(1.0, idle_s / 4))
+            await anyio.sleep(min(1.0, idle_s / 4, stall_s / 4))
+            if stats is not None and stats.reconnects != reconnects:
+                reconnects = stats.reconnects
+                self.suspect_all()
             self.expire_idle(idle_s)
+            if self.expire_stalled(stall_s):
+                log.warning("streams stalled after the NATS connection came back: continuing them elsewhere")
 
 
 class StreamFailed(IngressError):
@@ -207,6 +257,10 @@ class TokenSequencer:
         while not self.finished and (ready := self._next_ready()) is not None:
             tokens += self._take(ready)
         return tokens
+
+    def drop_ahead(self) -> None:
+        """Forget chunks held past the next position: they belong to a run given up on."""
+        self._held.clear()
 
     def _next_ready(self) -> StreamChunk | None:
         for seq in [s for s in self._held if s <= self.next_seq]:

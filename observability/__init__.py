@@ -17,12 +17,13 @@ from switchyard.observability.bus import (
     redacted,
     subscribe,
 )
-from switchyard.observability.metrics import CONTENT_TYPE, ServingMetrics
+from switchyard.observability.metrics import CONTENT_TYPE, EDGE_REFUSAL_REASONS, ServingMetrics
 from switchyard.observability.tracing import TracingError
 
 __all__ = [
     "CONTENT_TYPE",
     "DEFAULT_NATS_URL",
+    "EDGE_REFUSAL_REASONS",
     "BusAuthError",
     "BusClosedError",
     "BusStats",

@@ -133,6 +133,7 @@ class BusStats:
     dropped: int = 0  # messages a slow subscription lost
     denied: int = 0  # publishes and subscriptions the server's permissions refused
     errors: int = 0  # other asynchronous client errors
+    reconnects: int = 0  # times the connection came back after the server went away
 
 
 @asynccontextmanager
@@ -144,7 +145,7 @@ async def connect(
     exit (shielded). ``client``: its credentials and TLS (none: anonymous, plain)."""
     stats = stats if stats is not None else BusStats()
     options = _client_options(url, client or NatsClientConfig())
-    watch = _Watch(name)
+    watch = _Watch(name, stats)
 
     async def on_error(exc: Exception) -> None:
         if isinstance(exc, SlowConsumerError):
@@ -207,8 +208,9 @@ class _Watch:
     ``connect`` block (``scope``, or the first connection attempts, ``first``) and the
     error it raises."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, stats: BusStats) -> None:
         self.name = name
+        self.stats = stats
         self.scope = anyio.CancelScope()
         self.first = anyio.CancelScope()
         self.nc: Client | None = None
@@ -227,6 +229,7 @@ class _Watch:
             log.warning("%s: disconnected from NATS; reconnecting", self.name)
 
     async def reconnected(self) -> None:
+        self.stats.reconnects += 1
         log.info("%s: reconnected to NATS", self.name)
 
     async def closed(self) -> None:

@@ -76,6 +76,8 @@ class ServingMetrics:
             ["outcome"],
             registry=r,
         )
+        for outcome in ("resumed", "refused", "exhausted"):  # a series at 0 before the first
+            self.migrations.labels(outcome=outcome)
         self.recomputed_tokens = Counter(
             "switchyard_recomputed_tokens",
             "Prompt and output tokens prefilled again to continue migrated streams, cached ones excluded.",
@@ -90,6 +92,12 @@ class ServingMetrics:
         for reason in EDGE_REFUSAL_REASONS:
             self.edge_refusals.labels(reason=reason)
         self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.", registry=r)
+        self.reclaimed_requests = Gauge(
+            "switchyard_scheduler_reclaimed_requests",
+            "Requests the scheduler forgot since it started because their worker no longer held them and "
+            "the message saying how they ended was lost (a NATS restart, a slow consumer): budget otherwise stranded.",
+            registry=r,
+        )
         self.stream_refused = Gauge(
             "switchyard_stream_refused_chunks",
             "Token chunks refused since start: sent by a worker the scheduler never assigned to their request.",

@@ -110,6 +110,7 @@ class SchedulerCore:
         self._decode_demand = 0
         self._decode_s = config.default_decode_s
         self._arrivals = 0
+        self.reclaimed = 0  # requests forgotten by an audit (scheduler.audit): stranded otherwise
         self._snapshots_asked: set[str] = set()
         self._snapshot_retry_at: dict[str, float] = {}  # worker -> when to ask again
         # Placing the queue's head costs a pass over the fleet. When it fails, nothing can
@@ -121,6 +122,11 @@ class SchedulerCore:
     # --- inputs ------------------------------------------------------------------
 
     def submit(self, spec: RequestSpec, now: float) -> tuple[Admitted | Rejected, list[Action]]:
+        held = self.requests.get(spec.request_id)
+        if held is not None and held.spec.attempt < spec.attempt:
+            # A newer run of it: its ingress gave the one we hold up (its cancel may still be
+            # on the way, or a roll call brought the old run back). The old one is forgotten.
+            self._forget(spec.request_id)
         refusal = self._refusal(spec)
         if refusal is not None:
             return refusal, []
@@ -185,9 +191,29 @@ class SchedulerCore:
         self.sessions.restore(binding, now)
         self._capacity_changed()
 
-    def on_cancel(self, request_id: str, now: float) -> list[Action]:
-        """The client went away; the workers heard the same cancel and stop on their own."""
+    def reclaim(self, request_id: str, worker_id: str, now: float) -> list[Action]:
+        """The worker no longer holds a request we placed on it, and the message saying how
+        it ended was lost (``scheduler.audit``): forget it, release what it held, and hand it
+        to its ingress, which continues it if its stream had not ended."""
+        tracked = self.requests.get(request_id)
+        if tracked is None or tracked.worker_id != worker_id:
+            return []  # its news arrived meanwhile
+        self.reclaimed += 1
         self._forget(request_id)
+        message = f"request {request_id} was lost in {tracked.phase} on {worker_id} (its messages were lost)"
+        error = StreamError(code="worker_lost", message=message)
+        return [FailStream(tracked.spec.ingress_id, request_id, error), *self._drain(now)]
+
+    def placed(self) -> dict[str, str]:
+        """Request -> worker, for every request on a worker."""
+        return {rid: t.worker_id for rid, t in self.requests.items() if t.worker_id is not None}
+
+    def on_cancel(self, request_id: str, now: float, attempt: int | None = None) -> list[Action]:
+        """The client went away (or the ingress ended runs up to ``attempt`` of it, to submit
+        the next one); the workers heard the same cancel and stop on their own."""
+        tracked = self.requests.get(request_id)
+        if tracked is not None and (attempt is None or tracked.spec.attempt <= attempt):
+            self._forget(request_id)
         return self._drain(now)
 
     def on_dispatch_failed(self, worker_id: str, request_id: str, outcome: DispatchOutcome, now: float) -> list[Action]:
@@ -241,7 +267,12 @@ class SchedulerCore:
             )
             for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
         ]
-        return ClusterStatus(workers=workers, queued_requests=len(self._queue), queued_tokens=self._queue.tokens)
+        return ClusterStatus(
+            workers=workers,
+            queued_requests=len(self._queue),
+            queued_tokens=self._queue.tokens,
+            reclaimed_requests=self.reclaimed,
+        )
 
     def predicted_wait_s(self) -> float:
         """Time for the prefill fleet to work off what is queued and in flight."""
@@ -544,6 +575,7 @@ class SchedulerCore:
             block_size=worker.block_size,
             block_keys=[],
             sampling=SamplingParams(max_tokens=held.decode_tokens),
+            attempt=held.attempt,
         )
         self._arrivals += 1
         tracked = Tracked(spec=spec, enqueued_at=now, order=self._arrivals, adopted=True)

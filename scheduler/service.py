@@ -47,6 +47,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
 from switchyard.observability import BusStats, connect, decoded, redacted, subscribe, tracing
+from switchyard.scheduler.audit import Audit
 from switchyard.scheduler.config import SchedulerServiceConfig
 from switchyard.scheduler.core import (
     Action,
@@ -124,6 +125,8 @@ class SchedulerService:
         self._shadow = SubmitShadow(config.standby_shadow_bytes)
         self._answered: set[str] = set()  # workers that answered this scheduler's roll call
         self._answer = anyio.Event()  # set at each answer
+        self._audit: Audit | None = None  # after the bus may have lost messages (scheduler.audit)
+        self._bus_losses = (0, 0)  # reconnects and drops the last audit covered
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Ready (``task_status``) once active, or once standing by behind an active one."""
@@ -265,6 +268,8 @@ class SchedulerService:
                 continue
             actions = self.core.on_event(event, self._clock())
             if isinstance(event, LoadReport) and event.held is not None:
+                if self._audit is not None:
+                    self._audit.heard(event)
                 self._answered.add(event.worker_id)
                 self._answer.set()
                 self._give_prompts(event.held)
@@ -303,7 +308,7 @@ class SchedulerService:
                 self._shadow.ended(cancel.request_id)
             if not self.active.is_set():
                 continue
-            await self._act(self.core.on_cancel(cancel.request_id, self._clock()))
+            await self._act(self.core.on_cancel(cancel.request_id, self._clock(), cancel.attempt))
 
     async def _serve_acks(self, sub: Subscription) -> None:
         async for msg in sub.messages:
@@ -357,7 +362,29 @@ class SchedulerService:
             for token in [t for t, p in self._pending.items() if p.deadline <= now]:
                 await self._dispatch_failed(self._pending.pop(token), "timeout")
             await self._act(self.core.tick(now))
+            await self._audit_step(now)
             self._forget_finished_traces()
+
+    async def _audit_step(self, now: float) -> None:
+        """Start an audit when the bus may have lost messages; finish it once the workers
+        have had time to answer (``scheduler.audit``)."""
+        if self._audit is not None:
+            if now - self._audit.asked_at >= self.config.takeover_settle_s:
+                lost, self._audit = self._audit.lost(), None
+                if lost:
+                    log.warning("audit: %d requests were no longer held by their workers; reclaimed", len(lost))
+                for rid, worker in lost:
+                    await self._act(self.core.reclaim(rid, worker, now))
+            return
+        losses = (self.stats.reconnects, self.stats.dropped)
+        if losses == self._bus_losses or not self._settled.is_set():
+            return
+        self._bus_losses = losses
+        unacked = {p.request_id for p in self._pending.values()}
+        placed = {rid: w for rid, w in self.core.placed().items() if rid not in unacked}
+        self._audit = Audit(asked_at=now, placed=placed)
+        assert self._nc is not None
+        await self._nc.publish(subjects.ROLL_CALL, codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
 
     def _forget_finished_traces(self) -> None:
         stale = [rid for rid in self._trace_headers if rid not in self.core.requests]

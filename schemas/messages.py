@@ -116,6 +116,9 @@ class ClusterStatus(_Wire, frozen=True, tag="cluster_status"):
     workers: list[WorkerSummary]
     queued_requests: int
     queued_tokens: int
+    # Requests the scheduler forgot because their worker no longer held them and the
+    # message saying how they ended was lost (scheduler.audit): budget otherwise stranded.
+    reclaimed_requests: int = 0
 
 
 SchedulerReply = Admitted | Rejected | ClusterStatus
@@ -222,6 +225,7 @@ class HeldRequest(_Wire, frozen=True):
     tokens: int  # the scheduler's ledger for it (``charged_tokens`` of its task)
     decode_tokens: int  # prompt + max_tokens: its claim on decode capacity
     local: bool = False  # a LocalTask: prefilled where it decodes
+    attempt: int = 0  # its RequestSpec.attempt
 
 
 class LoadReport(_Wire, frozen=True, tag="load"):
@@ -335,6 +339,12 @@ class RollCall(_Wire, frozen=True):
 class Cancel(_Wire, frozen=True):
     request_id: str
     reason: str = "client_disconnected"
+    # Cancels the runs of ``RequestSpec.attempt`` up to this one; None: every run (the client
+    # left). The ingress ends a stalled run this way before it submits the next attempt.
+    attempt: int | None = None
+
+    def covers(self, attempt: int) -> bool:
+        return self.attempt is None or attempt <= self.attempt
 
 
 # --- workers/scheduler -> ingress (publish on stream(ingress_id)) ------------------

@@ -36,6 +36,7 @@ from nats.errors import MaxPayloadError
 
 from switchyard.observability import BusStats, connect, decoded, subscribe
 from switchyard.schemas import (
+    Cancel,
     EngineStats,
     HeldRequest,
     LoadReport,
@@ -120,6 +121,7 @@ class _Held:
             tokens=charged,
             decode_tokens=decode_tokens,
             local=isinstance(self.task, LocalTask),
+            attempt=spec.attempt,
         )
 
 
@@ -138,6 +140,11 @@ class HeldLedger:
 
     def cancelled(self, request_id: str) -> None:
         self._held.pop(request_id, None)
+
+    def attempt(self, request_id: str) -> int | None:
+        """The attempt of the request's run held here, if any."""
+        held = self._held.get(request_id)
+        return None if held is None else held.task.spec.attempt
 
     def roll_call(self, scheduler_id: str) -> list[HeldRequest]:
         """A scheduler became active: what it must adopt. Tasks held so far came from
@@ -195,7 +202,8 @@ class WorkerRuntime:
         self.role = role
         self.stats = BusStats()
         self._seq = 0
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        # request -> the last attempt cancelled (None: all of them)
+        self._cancelled: OrderedDict[str, Cancel] = OrderedDict()
         cache = role.kv_cache if isinstance(role, CachingRole) else NoKvCache()
         self.kv = KvReporter(config.worker_id, cache)
         self.held = HeldLedger()
@@ -252,7 +260,9 @@ class WorkerRuntime:
     async def _serve_tasks(self, sub: Subscription) -> None:
         async for msg, task in decoded(sub, codec.WORKER_TASK, "task"):
             rid = task.spec.request_id
-            refusal = "cancelled" if rid in self._cancelled else self.role.offer(task, msg.headers or {})
+            cancel = self._cancelled.get(rid)
+            cancelled = cancel is not None and cancel.covers(task.spec.attempt)
+            refusal = "cancelled" if cancelled else self.role.offer(task, msg.headers or {})
             if refusal is None:
                 self.held.accepted(task)
             ack = TaskAck(request_id=rid, accepted=refusal is None, reason=refusal or "")
@@ -261,11 +271,13 @@ class WorkerRuntime:
     async def _serve_cancels(self, sub: Subscription) -> None:
         async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):
             # Remembered, so a task that crosses the cancel on the wire is refused.
-            self._cancelled[cancel.request_id] = None
+            self._cancelled[cancel.request_id] = cancel
             if len(self._cancelled) > _REMEMBERED_CANCELS:
                 self._cancelled.popitem(last=False)
-            self.role.cancel(cancel.request_id)
-            self.held.cancelled(cancel.request_id)
+            held = self.held.attempt(cancel.request_id)
+            if held is None or cancel.covers(held):  # a newer run of it is not this cancel's
+                self.role.cancel(cancel.request_id)
+                self.held.cancelled(cancel.request_id)
 
     async def _serve_roll_calls(self, sub: Subscription, bus: WorkerBus) -> None:
         async for _, roll_call in decoded(sub, codec.ROLL_CALL, "roll call"):

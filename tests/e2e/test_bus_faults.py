@@ -4,6 +4,8 @@ with its JetStream store, the services reconnecting to it without a restart of t
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,7 +52,17 @@ class Up:
 def up(tmp_path_factory) -> Iterator[Up]:
     port = procs.free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
-    command = procs.service_command("up", "--port", str(port), "--log-level", "warning", "--report-interval-s", "0.2")
+    command = procs.service_command(
+        "up",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--report-interval-s",
+        "0.2",
+        "--sim-decode-step-base-s",
+        "0.01",  # streams of 300 tokens last 3 s: long enough to be cut
+    )
     with log.open("w") as out:
         process = psutil.Popen(command, env=procs.child_env(), stdout=out, stderr=out, start_new_session=True)
     stack = Up(port, process, log)
@@ -106,6 +118,43 @@ def test_a_killed_nats_server_comes_back_and_the_stack_serves_again(up: Up):
     admin = admin_credentials(revived.cmdline())
     assert _bound_worker(f"nats://127.0.0.1:{nats_port}", admin, "default", "agent-7").startswith("prefill-")
     assert up.complete(session) == 3
+
+
+STREAMS = 6
+
+
+def _stream(port: int, index: int, started: threading.Barrier | None) -> tuple[str, str | None, float]:
+    """A greedy stream of 300 tokens: its text, its error (None: it completed), its seconds."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    begun, parts = time.monotonic(), []
+    try:
+        stream = client.completions.create(
+            model="switchyard-sim", prompt=f"wagon {index} " * 20, max_tokens=300, temperature=0, stream=True
+        )
+        for chunk in stream:
+            parts += [choice.text for choice in chunk.choices]
+            if started is not None and len(parts) == 5:
+                started.wait(10)
+        return "".join(parts), None, time.monotonic() - begun
+    except openai.APIError as exc:
+        return "".join(parts), str(exc), time.monotonic() - begun
+
+
+def test_streams_cut_by_a_nats_restart_continue_where_they_were(up: Up):
+    """Tokens in flight when nats-server dies are lost (core NATS delivers at most once):
+    each stream notices the stall once the bus is back and continues after the tokens it
+    has, instead of waiting out the 60 s idle timeout."""
+    reference = [_stream(up.port, i, None)[0] for i in range(STREAMS)]
+    started = threading.Barrier(STREAMS + 1)
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        runs = [pool.submit(_stream, up.port, i, started) for i in range(STREAMS)]
+        started.wait(30)  # every stream is under way
+        up.child("nats-server").kill()
+        results = [run.result(timeout=60) for run in runs]
+    for (text, error, seconds), expected in zip(results, reference, strict=True):
+        assert error is None, f"{error} after {seconds:.1f} s"
+        assert text == expected
+        assert seconds < 30  # continued, not timed out
 
 
 def _bound_worker(url: str, admin: Credentials, tenant: str, session: str) -> str:

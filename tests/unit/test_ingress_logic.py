@@ -489,3 +489,27 @@ def test_stream_batches_round_trip_through_the_router_codec() -> None:
 
     batch = StreamBatch(sender="w", chunks=[StreamChunk(request_id="r", seq=0, token_ids=[5, 6])])
     assert codec.STREAM_BATCH.decode(codec.STREAM_BATCH.encode(batch)) == batch
+
+
+def test_after_a_reconnect_a_stalled_stream_is_failed_as_lost_and_keeps_its_route() -> None:
+    router = StreamRouter()
+    moving, stuck, waiting = router.open("moving", 8), router.open("stuck", 8), router.open("waiting", 8)
+    t0 = 100.0
+    moving.progress_at = stuck.progress_at = t0 - 1  # both had begun; "waiting" has no token yet
+    assert router.expire_stalled(3.0, now=t0 + 10) == 0  # nothing is suspect before a reconnect
+    router.suspect_all(now=t0)
+    moving.progress_at = t0 + 2.5
+    assert router.expire_stalled(3.0, now=t0 + 4) == 1
+    assert stuck.chunks[-1].error.code == "stream_lost" and "stuck" in router._inboxes
+    assert not moving.chunks and not waiting.chunks
+    assert router.expire_stalled(3.0, now=t0 + 5) == 0  # failed once, not again
+    assert router.expire_stalled(3.0, now=t0 + 6) == 1 and moving.chunks[-1].error.code == "stream_lost"
+
+
+def test_a_stream_stops_being_suspect_after_a_while() -> None:
+    router = StreamRouter()
+    inbox = router.open("r", 8)
+    router.suspect_all(now=0.0)
+    inbox.progress_at = 29.0
+    assert router.expire_stalled(3.0, now=31.0) == 0 and inbox.suspect_since is None
+    assert router.expire_stalled(3.0, now=100.0) == 0

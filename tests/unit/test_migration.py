@@ -22,6 +22,7 @@ from switchyard.kvbus import KeyScheme
 from switchyard.models import build_tokenizer
 from switchyard.observability import ServingMetrics
 from switchyard.schemas import (
+    Cancel,
     DecodeTask,
     PrefillTask,
     PromptUsage,
@@ -29,6 +30,8 @@ from switchyard.schemas import (
     SimKvHandle,
     StreamChunk,
     StreamError,
+    codec,
+    subjects,
 )
 from switchyard.workers.engine import PrefillResult
 from switchyard.workers.handoff import first_token
@@ -142,6 +145,14 @@ class _Scheduler:
             self.inbox.put(chunk)
 
 
+class _Bus:
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.published.append((subject, payload))
+
+
 def _generation(
     spec: RequestSpec, scheduler_answer, max_migrations: int = 2, refusals: int = 0, wait_s: float = 0.0
 ) -> tuple[Generation, _Scheduler]:
@@ -149,7 +160,7 @@ def _generation(
     inbox = Inbox(spec.request_id, 64)
     scheduler = _Scheduler(inbox, scheduler_answer, refusals)
     ctx = GenerationContext(
-        nc=None,  # type: ignore[arg-type]  # a Generation publishes only in its cleanup
+        nc=_Bus(),  # type: ignore[arg-type]  # publish is all a Generation does on it
         router=StreamRouter(),
         metrics=ServingMetrics(),
         continuation=functools.partial(continuation_spec, key_scheme=BLAKE),
@@ -212,6 +223,11 @@ async def test_a_lost_stream_is_resubmitted_after_its_delivered_tokens_and_conti
     assert generation.usage()["prompt_tokens"] == 20  # the client's prompt, not the continuation's
     assert (generation.migrations, generation.recomputed_tokens) == (1, 7)
     assert generation.ctx.metrics.migrations.labels(outcome="resumed")._value.get() == 1
+    # The lost run is cancelled first, that run only: the next one (attempt 1) is not covered.
+    ((subject, payload),) = generation.ctx.nc.published
+    assert subject == subjects.CANCEL and codec.CANCEL.decode(payload) == Cancel(
+        request_id="r", reason="worker_lost", attempt=0
+    )
 
 
 @pytest.mark.anyio

@@ -928,3 +928,45 @@ def test_a_joining_worker_is_asked_for_its_kv_snapshot_once() -> None:
     h.report("p1", "prefill")
     h.report("p1", "prefill")
     assert h.snapshots_asked == ["p1"]
+
+
+# --- lost messages: cancels of one run, audits ---------------------------------------------------
+
+
+def test_a_cancel_of_an_earlier_run_leaves_the_next_one_alone() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    r = again(make_spec("r"), 2)
+    assert dispatched(h.admit(r)) == [("r", "p1")]
+    h.core.on_cancel("r", h.clock.now, attempt=1)
+    assert h.phase("r") == "prefill"
+    h.core.on_cancel("r", h.clock.now, attempt=2)
+    assert "r" not in h.core.requests and h.load("p1") == 0
+
+
+def test_a_request_its_worker_no_longer_holds_is_reclaimed_and_handed_to_its_ingress() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    r, s = make_spec("r", ingress_id="ing-A"), make_spec("s")
+    h.admit(r)
+    h.admit(s)
+    h.event(prefill_done(s, "p1"))  # s moved on to decode meanwhile: the audit's view is stale
+    assert h.core.placed() == {"r": "p1", "s": "d1"}
+    actions = h.core.reclaim("r", "p1", h.clock.now)
+    assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [("ing-A", "r", "worker_lost")]
+    assert h.core.reclaim("s", "p1", h.clock.now) == []  # not on p1 any more: left alone
+    assert "r" not in h.core.requests and h.load("p1") == 0 and h.core.status().reclaimed_requests == 1
+    h.check()
+
+
+def test_a_newer_run_of_a_request_replaces_the_one_held() -> None:
+    """A worker taken for dead was alive: a roll call brought its run back before the
+    ingress's cancel of it arrived. The ingress's next attempt wins; a repeat does not."""
+    h = Harness()
+    cluster(h, {"p1": 1000, "p2": 1000}, {"d1": 10_000})
+    r = make_spec("r")
+    assert dispatched(h.admit(r)) == [("r", "p1")]
+    refused, _ = h.submit(r)
+    assert isinstance(refused, Rejected) and refused.reason == "invalid"
+    h.admit(again(r))
+    assert h.core.requests["r"].spec.attempt == 1 and h.load("p1") + h.load("p2") == len(r.prompt_tokens)

@@ -74,6 +74,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             ],
             queued_requests=4,
             queued_tokens=400,
+            reclaimed_requests=2,
         ),
     ),
     ("prefill_task", codec.WORKER_TASK, m.PrefillTask(spec=SPEC, queued_s=0.75, charged_tokens=3)),
@@ -104,7 +105,13 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             stats=STATS,
             held=[
                 m.HeldRequest(
-                    request_id="r-42", ingress_id="ing-7", phase="decode", tokens=22, decode_tokens=22, local=True
+                    request_id="r-42",
+                    ingress_id="ing-7",
+                    phase="decode",
+                    tokens=22,
+                    decode_tokens=22,
+                    local=True,
+                    attempt=1,
                 )
             ],
         ),
@@ -163,7 +170,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
     ),
     ("kv_snapshot_request", codec.KV_SNAPSHOT_REQUEST, m.KvSnapshotRequest(scheduler_id="sched-2")),
     ("kv_snapshot", codec.KV_SNAPSHOT, m.KvSnapshot(worker_id="p-1", seq=7, blocks={"device": [1, 2], "cluster": [3]})),
-    ("cancel", codec.CANCEL, m.Cancel(request_id="r-42", reason="deadline")),
+    ("cancel", codec.CANCEL, m.Cancel(request_id="r-42", reason="deadline", attempt=1)),
     (
         "stream_batch",
         codec.STREAM_BATCH,
@@ -348,3 +355,10 @@ def test_subjects_are_distinct_and_per_id() -> None:
     assert subjects.stream_sender(subjects.stream("a", "prefill-0")) == "prefill-0"
     assert subjects.streams_of("a") == subjects.stream("a", "*")
     assert subjects.WIRE_VERSION == "v1" and subjects.ROOT == "sy.v1"
+
+
+def test_a_cancel_covers_the_runs_up_to_its_attempt() -> None:
+    everything = m.Cancel(request_id="r")
+    assert everything.covers(0) and everything.covers(7)
+    up_to_one = m.Cancel(request_id="r", attempt=1)
+    assert up_to_one.covers(0) and up_to_one.covers(1) and not up_to_one.covers(2)
