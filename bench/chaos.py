@@ -622,7 +622,8 @@ def recovery(kill: Kill, watch: Watch, window_s: float = 20.0) -> None:
     if dip is None:
         kill.note = f"{kill.note} no health dip".strip()
         return
-    back = next((t for t, whole in after[dip:] if whole), None)
+    restarted = kill.at_s + (kill.restarted_s or 0.0)  # a dip left by an earlier kill is not this one's
+    back = next((t for t, whole in after[dip:] if whole and t >= restarted), None)
     kill.fleet_s = None if back is None else back - kill.at_s
 
 

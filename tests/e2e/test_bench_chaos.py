@@ -10,7 +10,7 @@ import json
 import subprocess
 
 from switchyard import procs
-from switchyard.bench.chaos import OUTCOMES, Outcome, classify, kill_plan, make_requests
+from switchyard.bench.chaos import OUTCOMES, Kill, Outcome, Watch, classify, kill_plan, make_requests, recovery
 
 
 def test_kill_plan_spaces_the_scheduler_and_nats_between_worker_kills() -> None:
@@ -34,6 +34,15 @@ def test_a_completion_counts_as_identical_only_when_text_tokens_and_ending_match
     assert classify(reference, Outcome("completed", "a b c", 4, "length")) == "different"
     assert classify(reference, Outcome("clean_error", "a b", error="worker_lost")) == "clean_error"
     assert classify(reference, Outcome("hang")) == "hang"
+
+
+def test_recovery_counts_from_the_kill_to_a_served_probe_and_to_the_fleet_whole_after_the_restart() -> None:
+    kill = Kill("worker", 10.0, "decode-0", restarted_s=2.0)
+    probes = [(9.9, 10.1, True), (10.2, 10.5, False), (10.3, 10.6, True)]  # the first was sent before the kill
+    health = [(10.0, True), (10.5, False), (11.0, True), (12.5, True)]  # whole at 11.0 still counted the dead one
+    recovery(kill, Watch(probes, health))
+    assert kill.served_s is not None and abs(kill.served_s - 0.6) < 1e-9
+    assert kill.fleet_s is not None and abs(kill.fleet_s - 2.5) < 1e-9
 
 
 def test_bench_chaos_compares_every_request_with_the_undisturbed_run(tmp_path) -> None:
