@@ -197,7 +197,7 @@ class Ingress:
         status = await self._cluster_status()
         if status is not None:
             self.metrics.set_workers(status.workers)
-            self.metrics.reclaimed_requests.set(status.reclaimed_requests)
+            self.metrics.set_stranded(status)
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def openapi(self, request: Request) -> Response:

@@ -71,6 +71,7 @@ class IngressService:
                 async with anyio.create_task_group() as tg:
                     tokens = await subscribe(nc, subjects.streams_of(cfg.ingress_id))
                     tg.start_soon(self.router.serve, tokens)
+                    tg.start_soon(self.router.watch_schedulers, await subscribe(nc, subjects.ROLL_CALL))
                     tg.start_soon(self.router.watch_idle, cfg.stream_idle_timeout_s, cfg.reconnect_stall_s, self.stats)
                     await nc.flush()
                     tg.start_soon(self._serve_http, server, sock, tg.cancel_scope)

@@ -28,6 +28,12 @@ the connection comes back, every stream is suspect for a while; a suspect stream
 has begun and makes no progress for ``stall_s`` (a gap it cannot fill, or silence) is
 failed with ``stream_lost``, and its generation continues it elsewhere after the tokens
 it has (``ingress.generation``), as when its worker dies.
+
+A scheduler that starts (or takes over) rolls call. When a new one does, what the last
+one only had in memory may be gone: a stream not yet assigned to any worker was queued
+there, and is failed with ``scheduler_failover`` (its generation submits it again: the
+new scheduler replaces any copy a standby kept); every other stream is suspect, as after
+a reconnect (a request waiting for decode room is held by no worker).
 """
 
 from __future__ import annotations
@@ -130,6 +136,7 @@ class StreamRouter:
         self.unroutable = 0  # chunks for requests that already ended here
         self.overflows = 0
         self.refused = 0  # chunks from a sender the scheduler never assigned to their request
+        self.schedulers: set[str] = set()  # the ids of the schedulers whose chunks we had
 
     def open(self, request_id: str, max_tokens: int) -> Inbox:
         inbox = Inbox(request_id, max_tokens + _SLACK)
@@ -152,6 +159,8 @@ class StreamRouter:
     async def serve(self, sub) -> None:
         async for msg, batch in decoded(sub, codec.STREAM_BATCH, "stream batch"):
             sender = subjects.stream_sender(msg.subject)
+            if sender == subjects.SCHEDULER_SENDER and len(self.schedulers) < 64:
+                self.schedulers.add(batch.sender)  # which replica: said in the body
             for chunk in batch.chunks:
                 self.route(chunk, sender)
 
@@ -195,6 +204,26 @@ class StreamRouter:
         now = time.monotonic() if now is None else now
         for inbox in self._inboxes.values():
             inbox.suspect_since = now
+
+    def scheduler_changed(self, scheduler_id: str) -> int:
+        """A new scheduler rolled call; returns how many queued streams are submitted again."""
+        self.suspect_all()
+        queued = [inbox for inbox in self._inboxes.values() if not inbox.senders]
+        for inbox in queued:
+            inbox.fail("scheduler_failover", f"scheduler {scheduler_id} took over; it may not know this request")
+        return len(queued)
+
+    async def watch_schedulers(self, sub) -> None:
+        """Roll calls: one by a scheduler id not heard before, when another scheduler was
+        (by its roll call or its chunks), means that one was replaced; an audit rolls call
+        under the id that already did."""
+        called: set[str] = set()
+        async for _, call in decoded(sub, codec.ROLL_CALL, "roll call"):
+            new = call.scheduler_id
+            if new not in called and (called or self.schedulers - {new}):
+                queued = self.scheduler_changed(new)
+                log.warning("scheduler %s took over; submitting %d queued streams again", new, queued)
+            called.add(new)
 
     def expire_stalled(self, stall_s: float, now: float | None = None) -> int:
         """Fail, as ``stream_lost``, every suspect stream that has begun and has taken no

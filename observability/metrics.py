@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from switchyard.schemas import WorkerSummary
+from switchyard.schemas import ClusterStatus, WorkerSummary
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
@@ -98,6 +98,19 @@ class ServingMetrics:
             "the message saying how they ended was lost (a NATS restart, a slow consumer): budget otherwise stranded.",
             registry=r,
         )
+        self.session_bindings = Gauge(
+            "switchyard_scheduler_session_bindings", "Session bindings the scheduler holds.", registry=r
+        )
+        self.sessions_dropped = Gauge(
+            "switchyard_scheduler_sessions_dropped",
+            "Session bindings dropped since the scheduler started because their worker is gone.",
+            registry=r,
+        )
+        self.abandoned_handoffs = Gauge(
+            "switchyard_scheduler_abandoned_handoffs",
+            "Prefilled requests that ended before a decode worker took their KV, since the scheduler started.",
+            registry=r,
+        )
         self.stream_refused = Gauge(
             "switchyard_stream_refused_chunks",
             "Token chunks refused since start: sent by a worker the scheduler never assigned to their request.",
@@ -146,6 +159,13 @@ class ServingMetrics:
             self._tenants.add(tenant)
             return tenant
         return OTHER_TENANTS
+
+    def set_stranded(self, status: ClusterStatus) -> None:
+        """What the scheduler says of state that could have outlived its request."""
+        self.reclaimed_requests.set(status.reclaimed_requests)
+        self.session_bindings.set(status.session_bindings)
+        self.sessions_dropped.set(status.sessions_dropped)
+        self.abandoned_handoffs.set(status.abandoned_handoffs)
 
     def set_workers(self, summaries: Iterable[WorkerSummary]) -> None:
         """Replace the per-worker gauges with ``ClusterStatus.workers``."""

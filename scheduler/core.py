@@ -111,6 +111,11 @@ class SchedulerCore:
         self._decode_s = config.default_decode_s
         self._arrivals = 0
         self.reclaimed = 0  # requests forgotten by an audit (scheduler.audit): stranded otherwise
+        # Stranded state, counted: session bindings dropped because their worker is gone, and
+        # prefills whose handoff never came (their request ended before a decode took the KV).
+        self.sessions_dropped = 0
+        self.abandoned_handoffs = 0
+        self._started: float | None = None  # the first tick
         self._snapshots_asked: set[str] = set()
         self._snapshot_retry_at: dict[str, float] = {}  # worker -> when to ask again
         # Placing the queue's head costs a pass over the fleet. When it fails, nothing can
@@ -242,6 +247,12 @@ class SchedulerCore:
             if now - worker.last_seen > self.config.worker_expiry_s:
                 actions += self._remove_worker(worker.worker_id, now)
         self.sessions.expire(now)
+        if self._started is None:
+            self._started = now
+        elif now - self._started > self.config.worker_expiry_s:
+            # Every worker that is up has registered by now: a restored binding to any other
+            # names a worker that is gone (its owner check; the TTL bounds the rest).
+            self.sessions_dropped += self.sessions.keep_only(self.workers.__contains__)
         return actions + self._retry_snapshots(now) + self._expire_deadlines(now) + self._drain(now)
 
     def _retry_snapshots(self, now: float) -> list[Action]:
@@ -272,6 +283,9 @@ class SchedulerCore:
             queued_requests=len(self._queue),
             queued_tokens=self._queue.tokens,
             reclaimed_requests=self.reclaimed,
+            session_bindings=len(self.sessions),
+            sessions_dropped=self.sessions_dropped,
+            abandoned_handoffs=self.abandoned_handoffs,
         )
 
     def predicted_wait_s(self) -> float:
@@ -607,7 +621,7 @@ class SchedulerCore:
         if worker is None:
             return []
         self.index.forget_worker(worker_id)
-        self.sessions.forget_worker(worker_id)
+        self.sessions_dropped += self.sessions.forget_worker(worker_id)
         self._snapshots_asked.discard(worker_id)
         self._snapshot_retry_at.pop(worker_id, None)
         self._capacity_changed()
@@ -644,3 +658,4 @@ class SchedulerCore:
             self._queue.remove(tracked)
         elif tracked.phase == "awaiting_decode":
             self._decode_wait.remove(request_id)
+            self.abandoned_handoffs += 1

@@ -10,6 +10,7 @@ so bindings survive a scheduler restart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -52,5 +53,13 @@ class SessionTable:
     def expire(self, now: float) -> None:
         self._bindings = {k: b for k, b in self._bindings.items() if b.expires_at > now}
 
-    def forget_worker(self, worker_id: str) -> None:
-        self._bindings = {k: b for k, b in self._bindings.items() if b.worker_id != worker_id}
+    def forget_worker(self, worker_id: str) -> int:
+        """Drop the bindings to a worker that is gone; how many."""
+        return self.keep_only(lambda w: w != worker_id)
+
+    def keep_only(self, alive: Callable[[str], bool]) -> int:
+        """Drop the bindings to workers not ``alive`` (restored ones naming a worker that
+        never came back); how many."""
+        before = len(self._bindings)
+        self._bindings = {k: b for k, b in self._bindings.items() if alive(b.worker_id)}
+        return before - len(self._bindings)

@@ -119,6 +119,12 @@ class ClusterStatus(_Wire, frozen=True, tag="cluster_status"):
     # Requests the scheduler forgot because their worker no longer held them and the
     # message saying how they ended was lost (scheduler.audit): budget otherwise stranded.
     reclaimed_requests: int = 0
+    session_bindings: int = 0  # held now
+    sessions_dropped: int = 0  # since start: bindings to a worker that is gone
+    # Since start: prefilled requests that ended before a decode worker took their KV. What
+    # the prefill left is bounded by its transfer: the Mooncake Store's lease and eviction,
+    # NIXL's KV lease on the prefill engine (--nixl-kv-lease-s), LMCache's own LRU.
+    abandoned_handoffs: int = 0
 
 
 SchedulerReply = Admitted | Rejected | ClusterStatus

@@ -79,7 +79,8 @@ def worker(worker_id: str) -> Permissions:
 def ingress() -> Permissions:
     return Permissions(
         publish=(subjects.SUBMIT, subjects.CANCEL),
-        subscribe=(subjects.stream("*", "*"), f"{INGRESS_INBOX}.>"),
+        # Roll calls: a new scheduler may not know what the last one had queued (streams).
+        subscribe=(subjects.stream("*", "*"), subjects.ROLL_CALL, f"{INGRESS_INBOX}.>"),
         inbox_prefix=INGRESS_INBOX,
     )
 

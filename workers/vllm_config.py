@@ -162,6 +162,14 @@ class VllmEngineConfig(ConfigStruct, frozen=True, kw_only=True):
     handoff_timeout_s: Annotated[
         float, setting("prefill: the longest PrefillDone waits for the KV to be in the store", ge=0)
     ] = 10.0
+    nixl_kv_lease_s: Annotated[
+        int,
+        setting(
+            "nixl: seconds a prefill engine keeps a request's KV for a decode that has not pulled it "
+            "(vLLM's kv_lease_duration; the decode side renews it while it pulls)",
+            gt=0,
+        ),
+    ] = 30
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -183,7 +191,9 @@ class VllmEngineConfig(ConfigStruct, frozen=True, kw_only=True):
         if self.kv_transfer == "mooncake-store":
             return {"kv_connector": "MooncakeStoreConnector", **common}
         if self.kv_transfer == "nixl":
-            return {"kv_connector": "NixlConnector", **common}
+            # A handoff that never comes frees the prefill's blocks when the lease runs out.
+            extra = {"kv_lease_duration": self.nixl_kv_lease_s}
+            return {"kv_connector": "NixlConnector", "kv_connector_extra_config": extra, **common}
         from switchyard.kvbus import lmcache_transfer_config
 
         return lmcache_transfer_config(self, role, work_dir)

@@ -513,3 +513,12 @@ def test_a_stream_stops_being_suspect_after_a_while() -> None:
     inbox.progress_at = 29.0
     assert router.expire_stalled(3.0, now=31.0) == 0 and inbox.suspect_since is None
     assert router.expire_stalled(3.0, now=100.0) == 0
+
+
+def test_a_new_scheduler_gets_the_queued_streams_again_and_makes_the_rest_suspect() -> None:
+    router = StreamRouter()
+    queued, running = router.open("queued", 8), router.open("running", 8)
+    _assign(router, "running", "prefill-0")
+    assert router.scheduler_changed("sched-b") == 1
+    assert queued.chunks[-1].error.code == "scheduler_failover"
+    assert not running.chunks and running.suspect_since is not None

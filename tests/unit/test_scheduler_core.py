@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from switchyard.scheduler import BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
+from switchyard.scheduler.sessions import Binding
 from switchyard.schemas import Admitted, DecodeTask, PrefillTask, Rejected, RequestSpec, WorkerEvent
 from tests.support.factories import (
     FakeClock,
@@ -970,3 +971,32 @@ def test_a_newer_run_of_a_request_replaces_the_one_held() -> None:
     assert isinstance(refused, Rejected) and refused.reason == "invalid"
     h.admit(again(r))
     assert h.core.requests["r"].spec.attempt == 1 and h.load("p1") + h.load("p2") == len(r.prompt_tokens)
+
+
+def test_stranded_sessions_and_handoffs_are_bounded_and_counted() -> None:
+    h = Harness(worker_expiry_s=2.0, decode_overcommit=100.0)
+    cluster(h, {"p1": 1000}, {"d1": 10})  # decode too small for r: it waits after prefill
+    # A binding restored from the bucket names a worker that never comes back.
+    h.core.restore_session(Binding("default", "ghost-session", "p-gone", h.clock.now + 600), h.clock.now)
+    busy, r = make_spec("busy"), make_spec("r", session="s1")
+    h.admit(busy)
+    h.event(prefill_done(busy, "p1"))  # an idle decode worker takes any request: now it is full
+    h.admit(r)
+    h.event(prefill_done(r, "p1"))
+    assert h.phase("busy") == "decode" and h.phase("r") == "awaiting_decode"
+    h.cancel("r")  # its client left before decode took the KV: the handoff is abandoned
+    h.tick()
+    h.clock.advance(1.0)
+    h.report("p1", "prefill")
+    h.report("d1", "decode", 10)
+    h.tick()
+    status = h.core.status()
+    assert status.session_bindings == 2 and status.abandoned_handoffs == 1  # not yet past expiry
+    h.clock.advance(1.5)
+    h.report("p1", "prefill")
+    h.report("d1", "decode", 10)
+    h.tick()
+    status = h.core.status()
+    assert (status.session_bindings, status.sessions_dropped) == (1, 1)  # the owner check
+    h.event(worker_leaving("p1"))
+    assert (h.core.status().session_bindings, h.core.status().sessions_dropped) == (0, 2)

@@ -41,6 +41,13 @@ def test_mooncake_store_is_the_default_transfer_with_recompute_on_failed_loads(t
 def test_nixl_and_none(tmp_path) -> None:
     nixl = VllmEngineConfig(kv_transfer="nixl").engine_args("m", "decode", tmp_path, None)
     assert nixl["kv_transfer_config"]["kv_connector"] == "NixlConnector"
+    # A handoff that never comes: the prefill's blocks are freed when vLLM's lease runs out.
+    assert nixl["kv_transfer_config"]["kv_connector_extra_config"] == {"kv_lease_duration": 30}
+    leased = VllmEngineConfig(kv_transfer="nixl", nixl_kv_lease_s=5).engine_args("m", "prefill", tmp_path, None)
+    from vllm.config import KVTransferConfig
+
+    config = KVTransferConfig(**leased["kv_transfer_config"])
+    assert config.get_from_extra_config("kv_lease_duration", 30) == 5
     assert "kv_transfer_config" not in VllmEngineConfig(kv_transfer="none").engine_args("m", "decode", tmp_path, None)
 
 
