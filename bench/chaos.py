@@ -613,17 +613,18 @@ async def _watch_health(url: str, fleet: tuple[int, int], watch: Watch, t0: floa
             await anyio.sleep(0.25)
 
 
-def recovery(kill: Kill, watch: Watch, window_s: float = 20.0) -> None:
-    """Fill in ``served_s`` and ``fleet_s`` from what the probe and the health loop saw."""
+def recovery(kill: Kill, watch: Watch, until_s: float | None = None) -> None:
+    """Fill in ``served_s`` and ``fleet_s`` from what the probe and the health loop saw. A
+    dip is this kill's only if it begins before ``until_s`` (the next kill; else 20 s on)."""
     served = [ended for sent, ended, ok in watch.probes if ok and sent >= kill.at_s]
     kill.served_s = min(served) - kill.at_s if served else None
-    after = [(t, whole) for t, whole in watch.health if kill.at_s <= t <= kill.at_s + window_s]
-    dip = next((i for i, (_, whole) in enumerate(after) if not whole), None)
+    until_s = kill.at_s + 20.0 if until_s is None else until_s
+    dip = next((t for t, whole in watch.health if kill.at_s <= t < until_s and not whole), None)
     if dip is None:
         kill.note = f"{kill.note} no health dip".strip()
         return
-    restarted = kill.at_s + (kill.restarted_s or 0.0)  # a dip left by an earlier kill is not this one's
-    back = next((t for t, whole in after[dip:] if whole and t >= restarted), None)
+    restarted = kill.at_s + (kill.restarted_s or 0.0)  # whole before its replacement was up: not back
+    back = next((t for t, whole in watch.health if whole and t > dip and t >= restarted), None)
     kill.fleet_s = None if back is None else back - kill.at_s
 
 
@@ -661,8 +662,8 @@ async def _load(up: Up, requests: list[Request], args: argparse.Namespace, plan:
         if chaos.kills:  # watch the last kill's recovery too
             await anyio.sleep(max(0.0, min(15.0, chaos.kills[-1].at_s + 12 - (time.monotonic() - t0))))
         watchers.cancel_scope.cancel()
-    for kill in chaos.kills:
-        recovery(kill, watch)
+    for i, kill in enumerate(chaos.kills):
+        recovery(kill, watch, chaos.kills[i + 1].at_s if i + 1 < len(chaos.kills) else None)
     after = await _counters(up.url)
     ledger, settle_s = await _settled_ledger(up, args.settle_s)
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(before) | set(after))}

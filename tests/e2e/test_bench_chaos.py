@@ -43,6 +43,9 @@ def test_recovery_counts_from_the_kill_to_a_served_probe_and_to_the_fleet_whole_
     recovery(kill, Watch(probes, health))
     assert kill.served_s is not None and abs(kill.served_s - 0.6) < 1e-9
     assert kill.fleet_s is not None and abs(kill.fleet_s - 2.5) < 1e-9
+    seamless = Kill("worker", 10.0, "decode-1", restarted_s=1.2)  # back before the scheduler noticed
+    recovery(seamless, Watch([], [(10.0, True), (12.0, True), (20.5, False), (22.0, True)]), until_s=20.0)
+    assert seamless.fleet_s is None and "no health dip" in seamless.note  # the next kill's dip is not its
 
 
 def test_bench_chaos_compares_every_request_with_the_undisturbed_run(tmp_path) -> None:
