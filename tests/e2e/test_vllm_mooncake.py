@@ -10,7 +10,9 @@ boot here. What the tests prove, from the engines' own counters rather than timi
   ``cached_tokens`` (body and final SSE chunk), and the prefill engine computed only the rest;
 - the scheduler's index hears the engine's KV events under the keys the ingress computes;
 - with the Mooncake segment killed, requests still complete correctly by recomputing,
-  and the fallback is counted (``switchyard_worker_kv_fallbacks``).
+  and the fallback is counted (``switchyard_worker_kv_fallbacks``);
+- a stream whose decode engine is killed mid-stream continues after up restarts it, with
+  the undisturbed greedy text.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ PREFIX = [random.Random(11).randrange(256, 4000) for _ in range(10 * BLOCK + 5)]
 
 @pytest.fixture(scope="module")
 def stack(module_nats, tmp_path_factory) -> UpStack:
-    with vllm_stack(module_nats.url, tmp_path_factory.mktemp("vllm") / "up.log", kv_transfer="mooncake-store") as s:
+    log = tmp_path_factory.mktemp("vllm") / "up.log"
+    # A stream whose decode engine is killed waits for up to restart it (an engine boots in 30-90 s).
+    with vllm_stack(module_nats.url, log, kv_transfer="mooncake-store", extra=["--migration-wait-s", "300"]) as s:
         yield s
 
 
@@ -197,6 +201,33 @@ def test_a_dead_mooncake_segment_means_recompute_not_failure(stack, client, bus,
         return done.kv_loaded_tokens == done.kv_expected_tokens
 
     assert wait_until(handed_over, 60, interval_s=2), "KV never went through the restarted segment"
+
+
+def test_a_stream_whose_decode_engine_is_killed_continues_with_the_same_greedy_text(stack, client, tokenizer):
+    """The decode engine SIGKILLed mid-stream: the ingress submits the prompt and the tokens the
+    client has again, the prefill engine computes them (what the store holds is loaded), and the
+    restarted decode engine goes on. The client's greedy text is that of an undisturbed run."""
+    prompt = [random.Random(23).randrange(256, 4000) for _ in range(3 * BLOCK + 7)]
+    tenant = client.with_options(default_headers={"x-switchyard-tenant": "migration"})
+    undisturbed = tenant.completions.create(model="tiny-llama", prompt=prompt, max_tokens=400, temperature=0)
+    before = _metric(httpx.get(stack.url + "/metrics").text, 'switchyard_migrations_total{outcome="resumed"}')
+    (decode,) = stack.children("--child decode")
+    stream = tenant.completions.create(model="tiny-llama", prompt=prompt, max_tokens=400, temperature=0, stream=True)
+    parts, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            parts.append(choice.text)
+            finish = choice.finish_reason or finish
+        if len(parts) == 2:
+            decode.kill()
+    assert "".join(parts) == undisturbed.choices[0].text and finish == undisturbed.choices[0].finish_reason
+    after = _metric(httpx.get(stack.url + "/metrics").text, 'switchyard_migrations_total{outcome="resumed"}')
+    assert after == before + 1, "the stream ended before its decode engine was killed"
+
+
+def _metric(text: str, name: str) -> float:
+    line = next((line for line in text.splitlines() if line.startswith(name + " ")), None)
+    return float(line.split()[1]) if line else 0.0
 
 
 def _whole_blocks(prompt_tokens: int) -> int:
