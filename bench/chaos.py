@@ -818,6 +818,13 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def recovery_table(recovery: dict) -> str:
+    lines = ["| killed | kills | next request served after, p50 (s) | max (s) |", "|---|---:|---:|---:|"]
+    for kind, r in sorted(recovery.items()):
+        lines.append(f"| {kind} | {r['n']} | {_s(r['p50'])} | {_s(r['max'])} |")
+    return "\n".join(lines)
+
+
 def _recovery_percentiles(summaries: list[dict]) -> dict:
     by_kind: dict[str, list[float]] = {}
     for s in summaries:
@@ -902,11 +909,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     summaries = [summarize(r, reference) for r in [reference, *runs]]
+    recovered = _recovery_percentiles(summaries[1:])
     results = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
         | {"up_flags": _up_flags(args), "cpus": psutil.cpu_count()},
         "runs": summaries,
-        "recovery_s": _recovery_percentiles(summaries[1:]),
+        "recovery_s": recovered,
         "outcomes": {
             r.name: {
                 "columns": ["ended_as", "started_s", "ended_s", "events", "last_event_s", "error"],
@@ -933,7 +941,7 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print("\n" + table(summaries), flush=True)
+    print("\n" + table(summaries) + "\n\n" + recovery_table(recovered), flush=True)
     plot_outcomes(summaries, args.out)
     figures = [plot_timeline(r, reference.outcomes, args.out) for r in runs]
     print(f"\nwrote {args.out / 'results.json'}, {args.out / 'outcomes.png'}, " + ", ".join(map(str, figures)))
