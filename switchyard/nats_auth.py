@@ -108,11 +108,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID,ID,...",
         help="the worker ids: each worker runs with --worker-id ID --nats-credentials-file DIR/worker-ID.json",
     )
-    parser.add_argument("--force", action="store_true", help="overwrite the files there (new passwords for all)")
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument("--force", action="store_true", help="overwrite the files there (new passwords for all)")
+    existing.add_argument(
+        "--keep", action="store_true", help="files there already: keep them, succeed (a container run at every start)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    if (args.out / SERVER_CONFIG).exists() and args.keep:
+        print(f"switchyard nats-auth: {args.out / SERVER_CONFIG} exists; kept as it is")
+        return 0
     if (args.out / SERVER_CONFIG).exists() and not args.force:
         print(
             f"switchyard nats-auth: {args.out / SERVER_CONFIG} exists (--force writes new passwords)", file=sys.stderr

@@ -31,11 +31,16 @@ def services(compose: dict) -> dict[str, dict]:
     return compose["services"]
 
 
+SETUP_COMMANDS = {"nats-auth"}  # one-shot: they write files, they serve nothing
+
+
 def switchyard_services(services: dict[str, dict]) -> dict[str, list[str]]:
     return {
         name: svc["command"]
         for name, svc in services.items()
-        if isinstance(svc.get("command"), list) and svc["command"][:1] == ["switchyard"]
+        if isinstance(svc.get("command"), list)
+        and svc["command"][:1] == ["switchyard"]
+        and svc["command"][1] not in SETUP_COMMANDS
     }
 
 
@@ -123,7 +128,7 @@ def test_vllm_workers_and_ingress_agree_and_reach_the_mooncake_store(services):
 def test_nats_runs_jetstream_with_a_volume(services):
     nats = services[NATS_SERVICE]
     assert nats["image"].startswith("nats:2.10")
-    assert nats["command"] == ["-js", "-sd", "/data", "-m", "8222"]
+    assert nats["command"][:5] == ["-js", "-sd", "/data", "-m", "8222"]
     assert any(
         str(v).split(":")[1:2] == ["/data"] if isinstance(v, str) else v.get("target") == "/data"
         for v in nats.get("volumes", [])
@@ -325,3 +330,32 @@ def test_the_operator_pages_listen_on_loopback_only(services):
     for name in ("prometheus", "grafana", "jaeger"):
         for entry in services[name].get("ports", []):
             assert str(entry).startswith("127.0.0.1:"), (name, entry)
+
+
+def _mounts(svc: dict) -> dict[str, str]:
+    """container path -> volume or host path (short syntax)."""
+    return {str(v).split(":")[1]: str(v).split(":")[0] for v in svc.get("volumes", []) if isinstance(v, str)}
+
+
+def test_every_role_connects_as_its_own_nats_user(services):
+    """The users `switchyard nats-auth` writes into the volume are the ones nats-server loads
+    and each service names: a worker's by its --worker-id."""
+    auth = services["nats-auth"]
+    args = cli.build_parser().parse_args(auth["command"][1:])
+    out, workers = str(args.out), args.workers.split(",")
+    assert args.keep and _mounts(auth)[out] == "nats-auth"
+    nats = services[NATS_SERVICE]
+    conf = nats["command"][nats["command"].index("-c") + 1]
+    assert _mounts(nats)[str(Path(conf).parent)] == "nats-auth" and Path(conf).name == "nats-auth.conf"
+    assert nats["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully"
+    users = {"scheduler", "ingress", *(f"worker-{w}" for w in workers)}
+    named = set()
+    for name, command in switchyard_services(services).items():
+        config = parse_command(command).config
+        path = Path(config.nats_client.credentials_file)
+        assert _mounts(services[name]).get(str(path.parent)) == "nats-auth", f"{name}: {path} is not in the volume"
+        user = path.stem
+        if parse_command(command).command == "worker":
+            assert user == f"worker-{config.worker_id}", f"{name}: its id and its user differ"
+        named.add(user)
+    assert named <= users, f"users nats-auth does not write: {named - users}"

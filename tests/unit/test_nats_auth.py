@@ -63,3 +63,14 @@ def test_a_password_in_an_external_url_moves_into_a_file(tmp_path) -> None:
         creds = load_credentials(str(auth.shared))
         assert (creds.user, creds.password) == ("svc", "p@ss")
     assert up._external_nats("nats://nats.example:4222", ExitStack()) == ("nats://nats.example:4222", None)
+
+
+def test_keep_leaves_the_files_there_and_succeeds(tmp_path, capsys):
+    out = tmp_path / "auth"
+    args = cli.build_parser().parse_args(["nats-auth", "--out", str(out), "--workers", "prefill", "--keep"])
+    assert nats_auth.run(args) == 0
+    first = (out / nats_auth.SERVER_CONFIG).read_text()
+    assert nats_auth.run(args) == 0 and "kept" in capsys.readouterr().out
+    assert (out / nats_auth.SERVER_CONFIG).read_text() == first  # the same passwords
+    again = cli.build_parser().parse_args(["nats-auth", "--out", str(out), "--workers", "prefill"])
+    assert nats_auth.run(again) == 1  # neither --keep nor --force: refused
