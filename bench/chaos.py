@@ -523,7 +523,10 @@ class Chaos:
             with self._killing:
                 for at_s, kind in self.plan:
                     await anyio.sleep(max(0.0, at_s - self.now()))
-                    kill = await self._kill(kind)
+                    try:
+                        kill = await self._kill(kind)
+                    except psutil.Error:  # the victim went away as we froze it: no kill this time
+                        kill = None
                     if kill is not None:
                         self.kills.append(kill)
                         tg.start_soon(self._await_restart, kill)
@@ -645,7 +648,14 @@ class Run:
     watch: Watch
 
 
-async def _load(up: Up, requests: list[Request], args: argparse.Namespace, plan: list[tuple[float, str]]) -> Run:
+async def _load(
+    up: Up,
+    requests: list[Request],
+    args: argparse.Namespace,
+    name: str,
+    kinds: tuple[str, ...],
+    plan: list[tuple[float, str]],
+) -> Run:
     t0 = time.monotonic()
     watch = Watch()
     chaos = Chaos(up, plan, args.seed, t0)
@@ -667,7 +677,7 @@ async def _load(up: Up, requests: list[Request], args: argparse.Namespace, plan:
     after = await _counters(up.url)
     ledger, settle_s = await _settled_ledger(up, args.settle_s)
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(before) | set(after))}
-    return Run("", (), duration_s, outcomes, chaos.kills, counters, ledger, settle_s, up.restarts(), watch)
+    return Run(name, kinds, duration_s, outcomes, chaos.kills, counters, ledger, settle_s, up.restarts(), watch)
 
 
 def _up_flags(args: argparse.Namespace) -> list[str]:
@@ -701,8 +711,7 @@ def _one_run(
     plan = kill_plan(kinds, args.kill_every_s, reference_s, horizon_s=4 * reference_s + 120) if kinds else []
     print(f"{name}: {len(requests)} requests, {args.concurrency} at a time ...", flush=True)
     with running_up(_up_flags(args), args.out / f"up-{name}.log") as up:
-        result = anyio.run(_load, up, requests, args, plan)
-    result.name, result.kinds = name, kinds
+        result = anyio.run(_load, up, requests, args, name, kinds, plan)
     print(f"{name}: {result.duration_s:.1f} s, {len(result.kills)} kills", flush=True)
     return result
 
