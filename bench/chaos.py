@@ -834,7 +834,7 @@ def recovery_table(recovery: dict) -> str:
     return "\n".join(lines)
 
 
-def _recovery_percentiles(summaries: list[dict]) -> dict:
+def _recovery_by_kind(summaries: list[dict]) -> dict:
     by_kind: dict[str, list[float]] = {}
     for s in summaries:
         for k in s["kills"]:
@@ -918,7 +918,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     summaries = [summarize(r, reference) for r in [reference, *runs]]
-    recovered = _recovery_percentiles(summaries[1:])
+    recovered = _recovery_by_kind(summaries[1:])
     results = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
         | {"up_flags": _up_flags(args), "cpus": psutil.cpu_count()},
