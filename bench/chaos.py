@@ -357,13 +357,18 @@ def _stop(process: psutil.Process, popen: subprocess.Popen) -> None:
 
 
 # What may stop the bench from reading the bus or the ingress (NATS down, a takeover...).
-_UNREADABLE = (TimeoutError, OSError, nats.errors.Error, httpx.HTTPError, ValueError, KeyError)
+_UNREADABLE = (TimeoutError, OSError, nats.errors.Error, httpx.HTTPError, ValueError, KeyError, msgspec.DecodeError)
+
+
+class _Credentials(msgspec.Struct):
+    """A credentials file as ``up`` writes it for its private server (JSON; other fields skipped)."""
+
+    user: str
+    password: str
 
 
 async def _nats(up: Up):
-    from switchyard.observability.bus import load_credentials
-
-    admin = load_credentials(str(up.admin_credentials))
+    admin = msgspec.json.decode(up.admin_credentials.read_bytes(), type=_Credentials)
     return await nats.connect(
         up.nats_url,
         user=admin.user,
