@@ -65,6 +65,7 @@ class Inbox:
         "last_put",
         "limit",
         "progress_at",
+        "received_at",
         "request_id",
         "senders",
         "suspect_since",
@@ -78,6 +79,7 @@ class Inbox:
         self.senders: set[str] = set()  # the workers assigned to it
         self.foreign: list[tuple[str, StreamChunk]] = []  # from senders not assigned (yet)
         self.progress_at: float | None = None  # when its reader last took a token
+        self.received_at: float | None = None  # when a chunk last came for it
         self.suspect_since: float | None = None  # when the bus came back, while it is watched
         self._wake: anyio.Event | None = None
 
@@ -108,7 +110,7 @@ class Inbox:
         if len(self.chunks) >= self.limit:
             return False
         self.chunks.append(chunk)
-        self.last_put = time.monotonic()
+        self.last_put = self.received_at = time.monotonic()
         if self._wake is not None:
             self._wake.set()
         return True
@@ -227,16 +229,25 @@ class StreamRouter:
 
     def expire_stalled(self, stall_s: float, now: float | None = None) -> int:
         """Fail, as ``stream_lost``, every suspect stream that has begun and has taken no
-        token for ``stall_s``; its route stays open for the run that continues it."""
+        token for ``stall_s``; its route stays open for the run that continues it. Begun: a
+        token taken, or chunks come since the reconnect of which none could be taken (its
+        first ones lost). One that has had nothing may be queued: it is left alone."""
         now = time.monotonic() if now is None else now
         stalled = 0
         for inbox in self._inboxes.values():
             since = inbox.suspect_since
-            if since is None or inbox.progress_at is None:
+            if since is None:
                 continue
             if now - since > _SUSPECT_S:
                 inbox.suspect_since = None
-            elif now - max(since, inbox.progress_at) > stall_s:
+                continue
+            if inbox.progress_at is not None:
+                last = max(since, inbox.progress_at)
+            elif inbox.received_at is not None and inbox.received_at > since:
+                last = since
+            else:
+                continue
+            if now - last > stall_s:
                 inbox.suspect_since = None
                 inbox.fail("stream_lost", f"no token for {stall_s:g} s after the NATS connection came back")
                 stalled += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import msgspec
@@ -522,3 +523,17 @@ def test_a_new_scheduler_gets_the_queued_streams_again_and_makes_the_rest_suspec
     assert router.scheduler_changed("sched-b") == 1
     assert queued.chunks[-1].error.code == "scheduler_failover"
     assert not running.chunks and running.suspect_since is not None
+
+
+def test_a_stream_whose_first_tokens_were_lost_counts_as_begun() -> None:
+    """Token 0 lost while the bus was down, later ones arriving: none can be taken (a gap at
+    seq 0), so it never progresses; it is stalled, while one that has heard nothing may be
+    queued and is left alone."""
+    router = StreamRouter()
+    gap, queued = router.open("gap", 8), router.open("queued", 8)
+    _assign(router, "gap")
+    router.suspect_all(now=time.monotonic())
+    _route_all(router, StreamChunk(request_id="gap", seq=1, token_ids=[5]))
+    later = time.monotonic() + 3.5
+    assert router.expire_stalled(3.0, now=later) == 1
+    assert gap.chunks[-1].error.code == "stream_lost" and not queued.chunks
