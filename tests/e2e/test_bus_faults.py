@@ -25,6 +25,7 @@ from switchyard.scheduler.session_store import BUCKET, session_key
 from tests.support.up_nats import admin_credentials
 
 SESSION = "x-session-affinity"
+READY = "Switchyard is ready"
 
 
 @dataclass
@@ -67,8 +68,9 @@ def up(tmp_path_factory) -> Iterator[Up]:
         process = psutil.Popen(command, env=procs.child_env(), stdout=out, stderr=out, start_new_session=True)
     stack = Up(port, process, log)
     try:
+        # Ready when up says so: until then it treats a dead child as a failed start, not a crash.
         deadline = time.monotonic() + 60
-        while not _healthy(port):
+        while not (_healthy(port) and READY in log.read_text()):
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
         yield stack

@@ -11,6 +11,7 @@ import concurrent.futures
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +22,7 @@ from switchyard import procs
 STREAMS = 10
 
 
-def _start_up(port: int) -> subprocess.Popen:
+def _start_up(port: int, log: Path) -> subprocess.Popen:
     # One prefill at a time (budget 64, prompts of ~45 tokens), 0.4 s each: a queue forms.
     command = procs.service_command(
         "up",
@@ -29,21 +30,23 @@ def _start_up(port: int) -> subprocess.Popen:
         *("--token-budget", "64", "--decode-overcommit", "50"),
         *("--sim-prefill-base-s", "0.4", "--sim-decode-step-base-s", "0.01"),
     )
-    return subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=procs.child_env(), start_new_session=True
-    )
+    with log.open("w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=out, env=procs.child_env(), start_new_session=True)
 
 
-def _wait_healthy(port: int, timeout_s: float = 60) -> None:
+def _wait_ready(port: int, log: Path, timeout_s: float = 60) -> None:
+    """Healthy, and up says it is ready: until then it takes a dead child for a failed start."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200 and (
+                "Switchyard is ready" in log.read_text()
+            ):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise AssertionError("the stack did not become healthy")
+    raise AssertionError(f"the stack did not become ready:\n{log.read_text()[-3000:]}")
 
 
 def _complete(port: int, index: int, submitted: threading.Semaphore | None) -> tuple[str, float]:
@@ -57,11 +60,11 @@ def _complete(port: int, index: int, submitted: threading.Semaphore | None) -> t
     return reply.choices[0].text, time.monotonic() - begun
 
 
-def test_requests_queued_at_a_scheduler_that_dies_complete_after_its_restart():
-    port = procs.free_port()
-    up = _start_up(port)
+def test_requests_queued_at_a_scheduler_that_dies_complete_after_its_restart(tmp_path):
+    port, log = procs.free_port(), tmp_path / "up.log"
+    up = _start_up(port, log)
     try:
-        _wait_healthy(port)
+        _wait_ready(port, log)
         reference = [_complete(port, i, None)[0] for i in range(STREAMS)]
         scheduler = next(
             p for p in psutil.Process(up.pid).children(recursive=True) if "--child scheduler" in " ".join(p.cmdline())
