@@ -27,6 +27,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -44,6 +45,7 @@ from switchyard.ingress.errors import (
     Unavailable,
     internal_error,
 )
+from switchyard.ingress.extras import DetokenizeRequest, RequestIdMiddleware, TokenizeRequest
 from switchyard.ingress.generation import Generation, GenerationContext, Kind
 from switchyard.ingress.openai_types import (
     ChatCompletionRequest,
@@ -120,6 +122,9 @@ class Ingress:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_text, methods=["GET"]),
                 Route("/openapi.json", self.openapi, methods=["GET"]),
@@ -128,7 +133,13 @@ class Ingress:
             # for the server to log; the client never sees a plain-text 500.
             exception_handlers=_HANDLERS,
             # The caller and its tenant are decided there, before a body is read (ingress.auth).
-            middleware=[Middleware(AuthMiddleware, gate=gate)],
+            # Outermost first: every response carries its x-request-id (ingress.extras), a CORS
+            # preflight is answered before it would need a key, and then the key is checked.
+            middleware=[
+                Middleware(RequestIdMiddleware),
+                *_cors(config.cors_allow_origins),
+                Middleware(AuthMiddleware, gate=gate),
+            ],
         )
 
     # --- endpoints --------------------------------------------------------------------------
@@ -155,14 +166,51 @@ class Ingress:
         )
 
     async def models(self, request: Request) -> Response:
-        card = {
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        """The served model, by its id"""
+        model = request.path_params["model"]
+        if model != self.model:
+            raise ModelNotFound(model)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.model,
             "object": "model",
             "created": 0,
             "owned_by": "switchyard",
             "max_model_len": self.tokenizer.info.max_context,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """The token ids a completion (prompt) or chat completion (messages) would prefill"""
+        body = await self._decode(await self._read_body(request), TokenizeRequest)
+        if body.model is not None and body.model != self.model:
+            raise ModelNotFound(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequest("Give either `prompt` or `messages`.", param="prompt")
+        if body.prompt is not None:
+            text = body.prompt
+        else:
+            messages = chat_messages(ChatCompletionRequest(model=self.model, messages=body.messages or []))
+            try:
+                text = await self._off_loop(self.tokenizer.render_chat, messages)
+            except TokenizerError as exc:
+                raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
+        tokens = await self._off_loop(self._encode, text)
+        return JSONResponse({"count": len(tokens), "max_model_len": self.tokenizer.info.max_context, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        """The text of token ids"""
+        body = await self._decode(await self._read_body(request), DetokenizeRequest)
+        if body.model is not None and body.model != self.model:
+            raise ModelNotFound(body.model)
+        vocab = self.tokenizer.info.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise InvalidRequest(f"Token ids must be in [0, {vocab}).", param="tokens")
+        return JSONResponse({"prompt": await self._off_loop(self.tokenizer.decode, body.tokens)})
 
     async def _cluster_status(self) -> ClusterStatus | None:
         try:
@@ -315,6 +363,8 @@ class Ingress:
         stops = stop_strings(body.stop)
         span = tracing.tracer().start_span(f"POST {request.url.path}", kind=SpanKind.SERVER)
         span.set_attribute("switchyard.request_id", spec.request_id)
+        span.set_attribute("http.request_id", request.state.request_id)  # the client's x-request-id, or ours
+        log.debug("%s is x-request-id %s", spec.request_id, request.state.request_id)
         inbox = self.router.open(spec.request_id, max_tokens)  # before submitting: hear every token
         try:
             await self._submit(spec, trace.set_span_in_context(span))
@@ -480,3 +530,19 @@ _HANDLERS: dict[Any, Callable[..., Awaitable[Response]]] = {
     HTTPException: _http_error,
     Exception: _internal_error,
 }
+
+
+def _cors(origins: str) -> list[Middleware]:
+    """CORS for browsers on these origins (comma-separated; "*": any); none by default."""
+    allowed = [o.strip() for o in origins.split(",") if o.strip()]
+    if not allowed:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=allowed,
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type", "x-request-id", "x-session-affinity"],
+            expose_headers=["x-request-id", "retry-after"],
+        )
+    ]

@@ -471,6 +471,9 @@ def caller_of(request: Request) -> Caller:
     return caller
 
 
+_ALSO_GUARDED = frozenset({"/tokenize", "/detokenize"})  # vLLM's paths: the model's work, like /v1
+
+
 class AuthMiddleware:
     """Every ``/v1`` request is authenticated before its body is read (401/403/429 answered
     here); what it holds of its key's limits is released when its response has ended."""
@@ -480,7 +483,7 @@ class AuthMiddleware:
         self.gate = gate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in _ALSO_GUARDED):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)

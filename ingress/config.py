@@ -75,6 +75,9 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
         setting("how long a stream whose worker is lost waits for a worker of that role to be there again", ge=0),
     ] = 5.0
     trace_exporter: Annotated[Literal["none", "console", "otlp"], setting("where spans go")] = "none"
+    cors_allow_origins: Annotated[
+        str, setting('origins browsers may call the API from, comma-separated ("*": any; empty: no CORS)')
+    ] = ""
     # Who may call, and as which tenant (ingress.auth). "none" keeps the embedded stack usable
     # without a key, and says so loudly at start; x-switchyard-tenant is refused there.
     auth: Annotated[

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from starlette.routing import BaseRoute, Route
 
+from switchyard.ingress.extras import DetokenizeRequest, TokenizeRequest
 from switchyard.ingress.openai_types import (
     MAX_STOPS,
     ROLES,
@@ -64,6 +65,12 @@ _GENERATION_ERRORS = {
 }
 _HEADERS = [  # what ingress.app reads besides the body
     {
+        "name": "x-request-id",
+        "in": "header",
+        "description": "the client's id for the request, echoed on the response (another is made if absent or unsafe)",
+        "schema": {"type": "string", "pattern": "^[\\x21-\\x7e]{1,128}$"},
+    },
+    {
         "name": "x-session-affinity",
         "in": "header",
         "description": "a session id: requests with the same one go where its prefix is cached",
@@ -104,6 +111,15 @@ _ENDPOINTS = {
     ),
     "/v1/completions": _Endpoint("A text completion", CompletionRequest, _GENERATED, _GENERATION_ERRORS, headers=True),
     "/v1/models": _Endpoint("The served model"),
+    "/v1/models/{model}": _Endpoint("The served model, by its id", errors={"404": "the model is not served here"}),
+    "/tokenize": _Endpoint(
+        "The token ids a completion (prompt) or chat completion (messages) would prefill",
+        TokenizeRequest,
+        errors={"400": "neither or both of prompt and messages; the context exceeded", "404": "not this model"},
+    ),
+    "/detokenize": _Endpoint(
+        "The text of token ids", DetokenizeRequest, errors={"400": "a token id out of range", "404": "not this model"}
+    ),
     "/health": _Endpoint("Whether a scheduler and workers of both roles are up", errors={"503": "not ready"}),
     "/metrics": _Endpoint("Prometheus metrics", content={"text/plain": {"schema": {"type": "string"}}}),
     "/openapi.json": _Endpoint("This document"),
@@ -111,16 +127,19 @@ _ENDPOINTS = {
 
 
 def openapi_document(routes: Sequence[BaseRoute], model: str) -> bytes:
-    bodies = [e.body for e in _ENDPOINTS.values() if e.body is not None]
+    bodies = [e.body for e in _ENDPOINTS.values() if e.body is not None]  # each once: no duplicates
+    bodies = list(dict.fromkeys(bodies))
     (_, schemas) = msgspec.json.schema_components(bodies, ref_template=_REF)
     _tighten(schemas, model)
     schemas["Error"] = _ERROR
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         if isinstance(route, Route):
-            endpoint = _ENDPOINTS.get(route.path) or _Endpoint(_summary_of(route))
+            path = route.path.replace("{model:path}", "{model}")  # OpenAPI names no converters
+            endpoint = _ENDPOINTS.get(path) or _Endpoint(_summary_of(route))
             methods = sorted(m.lower() for m in route.methods or () if m != "HEAD")
-            paths.setdefault(route.path, {}).update({m: _operation(endpoint) for m in methods})
+            operations = {m: _operation(endpoint, path) for m in methods}
+            paths.setdefault(path, {}).update(operations)
     document = {
         "openapi": "3.1.0",
         "info": {"title": "Switchyard", "version": "1", "description": "An OpenAI-compatible API over NATS."},
@@ -159,7 +178,7 @@ def _tighten(schemas: dict[str, Any], model: str) -> None:
     }
 
 
-def _operation(endpoint: _Endpoint) -> dict[str, Any]:
+def _operation(endpoint: _Endpoint, path: str) -> dict[str, Any]:
     responses: dict[str, Any] = {"200": {"description": "OK", "content": endpoint.content}}
     for status, why in {**_EDGE_ERRORS, **endpoint.errors}.items():
         responses[status] = {
@@ -170,8 +189,11 @@ def _operation(endpoint: _Endpoint) -> dict[str, Any]:
     if endpoint.body is not None:
         ref = {"$ref": _REF.format(name=endpoint.body.__name__)}
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
-    if endpoint.headers:
-        operation["parameters"] = _HEADERS
+    parameters = list(_HEADERS) if endpoint.headers else []
+    if "{model}" in path:
+        parameters.append({"name": "model", "in": "path", "required": True, "schema": {"type": "string"}})
+    if parameters:
+        operation["parameters"] = parameters
     return operation
 
 

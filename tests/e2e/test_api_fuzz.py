@@ -20,7 +20,17 @@ from schemathesis.specs.openapi.checks import content_type_conformance, status_c
 from tests.support.stack import MODEL, running_stack
 
 ALLOWED = {200, 400, 404, 413, 429, 503}
-ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json"}
+ENDPOINTS = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/models/{model}",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+    "/openapi.json",
+}
 
 scalars = st.one_of(
     st.none(),
