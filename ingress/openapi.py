@@ -189,7 +189,7 @@ def _operation(endpoint: _Endpoint, path: str) -> dict[str, Any]:
     if endpoint.body is not None:
         ref = {"$ref": _REF.format(name=endpoint.body.__name__)}
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
-    parameters = list(_HEADERS) if endpoint.headers else []
+    parameters: list[dict[str, Any]] = list(_HEADERS) if endpoint.headers else []
     if "{model}" in path:
         parameters.append({"name": "model", "in": "path", "required": True, "schema": {"type": "string"}})
     if parameters:
