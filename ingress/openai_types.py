@@ -1,6 +1,7 @@
 """OpenAI request bodies as msgspec Structs, and their checks.
 
-Unknown fields are ignored (clients send many we do not use); a known field of the
+Every top-level field is accounted for in ``ingress.fields``: one the ingress cannot honour
+is a 400 naming it, one it does not know is logged once and ignored. A known field of the
 wrong type, or a number out of its range, is a 400 that names the field. Ranges are
 ``msgspec.Meta`` bounds on the field where msgspec can express them; ``seed`` is
 checked by hand (the bus carries [-2^63, 2^64 - 1], past int64 where Meta stops), so
@@ -24,6 +25,7 @@ from typing import Annotated, TypeVar
 import msgspec
 
 from switchyard.ingress.errors import InvalidRequest
+from switchyard.ingress.fields import Endpoint, check_fields
 
 _T = TypeVar("_T")
 
@@ -54,7 +56,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = 1  # typed here for the schema; ingress.fields refuses any but 1
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: int | None = None
@@ -68,9 +70,10 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     prompt: str | list[str | int]  # text, one text in a list, or token ids
-    echo: bool = False
+    echo: bool = False  # likewise: ingress.fields refuses true
 
 
+_ENDPOINTS: dict[type, Endpoint] = {ChatCompletionRequest: "chat", CompletionRequest: "completion"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4
 MAX_JSON_DEPTH = 64
@@ -98,11 +101,15 @@ def decode_body(body: bytes, type_: type[_T], *, max_depth: int = MAX_JSON_DEPTH
             f"The request body nests arrays and objects more than {max_depth} deep.", code="json_too_deep"
         )
     try:
-        return msgspec.json.decode(body, type=type_)
+        decoded = msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request: {exc}", param=_param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    endpoint = _ENDPOINTS.get(type_)
+    if endpoint is not None:
+        check_fields(body, endpoint)
+    return decoded
 
 
 def _param_of(message: str) -> str | None:
@@ -158,9 +165,8 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def check_sampling(request: _Sampling) -> None:
-    """What the field types cannot say (temperature, top_p, token counts: see above)."""
-    if request.n != 1:
-        raise InvalidRequest("Only n=1 is supported.", param="n")
+    """What the field types cannot say (temperature, top_p, token counts: see above); `n` and
+    the other fields we cannot honour are refused by ``ingress.fields``."""
     if request.seed is not None and not SEED_MIN <= request.seed <= SEED_MAX:
         raise InvalidRequest("`seed` must be an integer in [-2^63, 2^64 - 1].", param="seed")
     if request.stream_options is not None and not request.stream:

@@ -122,6 +122,30 @@ def test_a_text_part_without_text_is_400_naming_the_missing_field(stack):
     assert "`text`" in error["message"] and "not supported" not in error["message"]
 
 
+# --- fields the ingress cannot honour (ingress.fields) ----------------------------------------------
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+
+
+def test_a_field_that_would_change_the_output_is_refused_through_the_openai_client(client, stack):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, tools=TOOLS)
+    assert caught.value.param == "tools" and caught.value.code == "unsupported_parameter"
+    assert "tool calling" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"top_k": 40})
+    assert caught.value.param == "top_k"
+    assert len(stack.ingress.router) == 0
+
+
+def test_fields_without_effect_and_neutral_values_are_served(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, user="x", tools=[], logprobs=False, extra_body={"top_k": -1}
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
 # --- the catch-all ---------------------------------------------------------------------------------------
 
 
