@@ -158,8 +158,6 @@ class Ingress:
     async def completions(self, request: Request) -> Response | Generation:
         body = await self._decode(await self._read_body(request), CompletionRequest)
         self._check_common(body)
-        if body.echo:
-            raise InvalidRequest("`echo` is not supported.", param="echo")
         prompt = await self._completion_prompt(body.prompt)
         return await self._generate(
             request, "completion", body, prompt, self._max_tokens(len(prompt), body.max_tokens, "max_tokens")
