@@ -193,7 +193,7 @@ FIELDS: dict[str, Field] = {
     # --- vLLM extensions: serving ---------------------------------------------------------------
     "priority": _no_effect("scheduling only; see the x-switchyard-priority header"),
     "request_id": _no_effect("the ingress names every request itself"),
-    "session_id": _no_effect("scheduling only; see the x-switchyard-session header"),
+    "session_id": _no_effect("scheduling only; see the x-session-affinity header"),
     "cache_salt": _no_effect("prefix caches are already salted per tenant (kvbus.keys)"),
     "stream_interval": _no_effect("how tokens are batched into chunks, not which tokens"),
     "kv_transfer_params": _refused("the scheduler places the KV cache itself"),
