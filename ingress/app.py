@@ -366,7 +366,8 @@ class Ingress:
         inbox = self.router.open(spec.request_id, max_tokens)  # before submitting: hear every token
         try:
             await self._submit(spec, trace.set_span_in_context(span))
-            include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options if body.stream else None
+            include_usage = bool(options and options.include_usage)
             generation = Generation(
                 ctx=self._gen_ctx,
                 kind=kind,
@@ -374,6 +375,7 @@ class Ingress:
                 model=self.model,
                 stream=body.stream,
                 include_usage=include_usage,
+                continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
                 assembler=TextAssembler(self.tokenizer.decode_stream(), stops),
                 inbox=inbox,
                 span=span,

@@ -95,6 +95,7 @@ class Generation:
     migrations: int = 0
     recomputed_tokens: int = 0  # prefilled again by migrations, their cached prefix excluded
     _resumed_at: int | None = None  # the output position a migration's first token will have
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
 
     # --- ASGI -------------------------------------------------------------------------
 
@@ -273,6 +274,10 @@ class Generation:
         frames = _DeltaFrames(self._chunk({"content": ""} if self.kind == "chat" else "", None))
 
         async def emit(text: str) -> None:
+            if self.continuous_usage:  # the usage so far in every chunk: no pre-encoded frame
+                chunk = self._chunk({"content": text} if self.kind == "chat" else text, None)
+                await self._event(send, chunk | {"usage": self.usage()})
+                return
             await send({"type": "http.response.body", "body": frames.delta(text), "more_body": True})
 
         try:
@@ -285,6 +290,8 @@ class Generation:
             return
         self.outcome = "ok"
         ending = [self._chunk({} if self.kind == "chat" else "", self.finish_reason)]
+        if self.continuous_usage:
+            ending[0]["usage"] = self.usage()
         if self.include_usage:
             ending.append(self._usage_chunk())
         body = b"".join(_sse(event) for event in ending) + b"data: [DONE]\n\n"

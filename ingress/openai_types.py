@@ -37,6 +37,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # msgpack's integers: int64 and uint64
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (with include_usage)
 
 
 class ContentPart(msgspec.Struct, frozen=True, kw_only=True):

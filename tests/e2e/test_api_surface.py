@@ -94,3 +94,27 @@ def test_cors_is_off_by_default(module_nats):
             headers={"origin": "https://console.example", "access-control-request-method": "POST"},
         )
         assert "access-control-allow-origin" not in reply.headers
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # vLLM's extension
+    )
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert content and all(c.usage is not None for c in content)
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and 0 < counts[0] and counts[-1] <= 12
+    assert {c.usage.prompt_tokens for c in content} == {chunks[-1].usage.prompt_tokens}
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    plain = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert all(c.usage is None for c in plain[:-1])  # without it: usage only at the end
