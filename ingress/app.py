@@ -147,10 +147,7 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response | Generation:
         body = await self._decode(await self._read_body(request), ChatCompletionRequest)
         self._check_common(body)
-        try:
-            prompt = await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(chat_messages(body))))
-        except TokenizerError as exc:  # the template refused these messages (raise_exception)
-            raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
+        prompt = await self._chat_prompt(body)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         return await self._generate(request, "chat", body, prompt, self._max_tokens(len(prompt), requested, param))
@@ -190,14 +187,9 @@ class Ingress:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("Give either `prompt` or `messages`.", param="prompt")
         if body.prompt is not None:
-            text = body.prompt
+            tokens = await self._off_loop(self._encode, body.prompt)
         else:
-            messages = chat_messages(ChatCompletionRequest(model=self.model, messages=body.messages or []))
-            try:
-                text = await self._off_loop(self.tokenizer.render_chat, messages)
-            except TokenizerError as exc:
-                raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
-        tokens = await self._off_loop(self._encode, text)
+            tokens = await self._chat_prompt(ChatCompletionRequest(model=self.model, messages=body.messages or []))
         return JSONResponse({"count": len(tokens), "max_model_len": self.tokenizer.info.max_context, "tokens": tokens})
 
     async def detokenize(self, request: Request) -> Response:
@@ -205,9 +197,8 @@ class Ingress:
         body = await self._decode(await self._read_body(request), DetokenizeRequest)
         if body.model is not None and body.model != self.model:
             raise ModelNotFound(body.model)
-        vocab = self.tokenizer.info.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise InvalidRequest(f"Token ids must be in [0, {vocab}).", param="tokens")
+        if not self._in_vocab(body.tokens):
+            raise InvalidRequest(f"Token ids must be in [0, {self.tokenizer.info.vocab_size}).", param="tokens")
         return JSONResponse({"prompt": await self._off_loop(self.tokenizer.decode, body.tokens)})
 
     async def _cluster_status(self) -> ClusterStatus | None:
@@ -299,8 +290,8 @@ class Ingress:
         if isinstance(prompt, str):
             return await self._off_loop(self._encode, prompt)
         if prompt and all(isinstance(p, int) for p in prompt):
-            vocab = self.tokenizer.info.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
+            if not self._in_vocab(prompt):
+                vocab = self.tokenizer.info.vocab_size
                 raise InvalidRequest(f"Token ids must be a non-empty list in [0, {vocab}).", param="prompt")
             return list(prompt)
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -309,6 +300,17 @@ class Ingress:
                 param="prompt",
             )
         return await self._off_loop(self._encode, prompt[0])
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The messages through the model's chat template, tokenized (in the pool)."""
+        try:
+            return await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(chat_messages(body))))
+        except TokenizerError as exc:  # the template refused these messages (raise_exception)
+            raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
+
+    def _in_vocab(self, tokens: list[int]) -> bool:
+        vocab = self.tokenizer.info.vocab_size
+        return all(0 <= t < vocab for t in tokens)
 
     def _encode(self, text: str) -> list[int]:
         """In the pool; a text whose size alone puts it past the context is not tokenized."""

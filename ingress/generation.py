@@ -87,7 +87,6 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     sequencer: TokenSequencer = field(default_factory=TokenSequencer)
     first_token_at: float | None = None
-    last_token_at: float | None = None
     # None until the ending is known: "ok", "error", or "cancelled" (the client left first).
     outcome: str | None = None
     response_started: bool = False
@@ -177,8 +176,7 @@ class Generation:
         if tokens:
             now = time.monotonic()
             self.first_token_at = self.first_token_at or now
-            self.last_token_at = now
-            self.inbox.progress_at = now
+            self.inbox.progress_at = now  # the last token's time, for TPOT and the stall watch
         return tokens
 
     async def _migrate(self, failed: StreamFailed) -> None:
@@ -367,8 +365,9 @@ class Generation:
         m.recomputed_tokens.inc(self.recomputed_tokens)
         if self.first_token_at is not None:
             m.ttft.observe(self.first_token_at - self.arrived)
-            if self.assembler.tokens > 1 and self.last_token_at is not None:
-                m.tpot.observe((self.last_token_at - self.first_token_at) / (self.assembler.tokens - 1))
+            last = self.inbox.progress_at
+            if self.assembler.tokens > 1 and last is not None:
+                m.tpot.observe((last - self.first_token_at) / (self.assembler.tokens - 1))
 
 
 def _sse(payload: dict) -> bytes:

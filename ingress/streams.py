@@ -151,9 +151,7 @@ class StreamRouter:
             self._refuse(inbox, inbox.foreign[0][0], len(inbox.foreign))
 
     def reassign(self, inbox: Inbox) -> None:
-        refused = inbox.reassign()
-        if refused:
-            self.refused += refused
+        self.refused += inbox.reassign()
 
     def __len__(self) -> int:
         return len(self._inboxes)

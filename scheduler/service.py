@@ -178,7 +178,7 @@ class SchedulerService:
         self.active.set()  # from here on, events feed the core
         # Workers that were up before us register now instead of at their next beat, and
         # say what they hold for the scheduler before us.
-        await nc.publish(subjects.ROLL_CALL, codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
+        await self._roll_call()
         await self._take_over()
         self._settled.set()
         await answers.unsubscribe()  # ours now: no one else answers
@@ -383,6 +383,10 @@ class SchedulerService:
         unacked = {p.request_id for p in self._pending.values()}
         placed = {rid: w for rid, w in self.core.placed().items() if rid not in unacked}
         self._audit = Audit(asked_at=now, placed=placed)
+        await self._roll_call()
+
+    async def _roll_call(self) -> None:
+        """Every worker reports at once, with what it holds (under our id: see LoadReport.held)."""
         assert self._nc is not None
         await self._nc.publish(subjects.ROLL_CALL, codec.ROLL_CALL.encode(RollCall(scheduler_id=self.scheduler_id)))
 
