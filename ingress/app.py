@@ -96,6 +96,7 @@ class Ingress:
         metrics: ServingMetrics,
         bus_stats: BusStats,
         gate: Gate,
+        on_finished: Callable[[Generation, str], None] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -114,6 +115,7 @@ class Ingress:
             resubmit=self._submit,
             max_migrations=config.max_migrations,
             migration_wait_s=config.migration_wait_s,
+            on_finished=on_finished,
         )
         self._tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
         self._openapi: bytes | None = None

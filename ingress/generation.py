@@ -70,6 +70,9 @@ class GenerationContext:
     # While no worker of a role is left (its only one was lost), a migration is retried for
     # this long, so a supervisor's restart of it is waited for.
     migration_wait_s: float = 5.0
+    # Told of every generation once it has ended, with its outcome (the usage records: see
+    # ``ingress.usage``); it must not block or raise.
+    on_finished: Callable[[Generation, str], None] | None = None
 
 
 @dataclass
@@ -345,6 +348,8 @@ class Generation:
             cancel = Cancel(request_id=rid, reason=outcome if outcome != "ok" else "stop")
             await self.ctx.nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
         self._record(outcome)
+        if self.ctx.on_finished is not None:
+            self.ctx.on_finished(self, outcome)
         self.span.set_attribute("switchyard.outcome", outcome)
         if self.migrations:
             self.span.set_attribute("switchyard.migrations", self.migrations)
