@@ -9,7 +9,8 @@ Three formats, one class each, chosen by name from ``PARSERS`` (``parser_for``):
     Only when the output *begins* with a call (after whitespace and an optional
     ``<|python_tag|>``): one or more ``{"name": "f", "parameters": {...}}`` objects
     (``"arguments"`` is accepted too) separated by ``;`` or whitespace. Text after the last call
-    is content. An output that begins otherwise is all content, braces or not.
+    is content. An output that begins otherwise is all content, braces or not: vLLM's stream
+    decides so too, while its whole-text parse takes any call-shaped JSON anywhere.
 ``kimi_k2``
     ``<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>
     {...}<|tool_call_end|>...<|tool_calls_section_end|>``. The header ``functions.f:0`` is the
