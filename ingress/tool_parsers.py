@@ -52,6 +52,7 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import ClassVar, Protocol
 
 from switchyard.ingress.errors import IngressError
@@ -401,21 +402,24 @@ class _JsonObjectEnd:
         return None
 
 
-class _Llama3Stream:
-    """States: ``start`` (whitespace and the python tag, until ``{`` or anything else),
-    ``object`` (a call's JSON until its braces close), ``between`` (separators after a call),
-    ``content`` (everything else, to the end).
+class _Llama3State(Enum):
+    START = "start"  # whitespace and the python tag, until ``{`` or anything else
+    OBJECT = "object"  # a call's JSON, until its braces close
+    BETWEEN = "between"  # separators after a call
+    CONTENT = "content"  # everything else, to the end
 
-    ``_pending`` is the text not yet decided; in ``object`` it starts with the object's ``{``,
-    preceded (for the first call) by the whitespace and tag, which come back as content if the
-    object is no call."""
+
+class _Llama3Stream:
+    """``_pending`` is the text not decided yet. In ``OBJECT`` it holds the object from
+    ``_object_at``, preceded (for the first call) by the whitespace and tag, which come back
+    as content if the object is no call."""
 
     _TAG = "<|python_tag|>"
     _SEPARATORS = " \t\r\n;"
 
     def __init__(self, new_id: Callable[[], str]) -> None:
         self._out = _Output(new_id)
-        self._state = "start"
+        self._state = _Llama3State.START
         self._pending = ""
         self._object_at = 0  # where the object begins in _pending
         self._scanned = 0  # how much of _pending the brace scanner has seen
@@ -428,7 +432,7 @@ class _Llama3Stream:
         return self._out.take()
 
     def finish(self) -> list[Event]:
-        if self._state in ("start", "object", "content"):  # an unclosed object is no call
+        if self._state is not _Llama3State.BETWEEN:  # an unclosed object is no call
             self._out.text(self._pending)
         self._pending = ""
         self._out.end()
@@ -438,13 +442,13 @@ class _Llama3Stream:
         if not self._pending:
             return False
         match self._state:
-            case "start":
+            case _Llama3State.START:
                 return self._step_start()
-            case "object":
+            case _Llama3State.OBJECT:
                 return self._step_object()
-            case "between":
+            case _Llama3State.BETWEEN:
                 return self._step_between()
-            case _:
+            case _Llama3State.CONTENT:
                 self._out.text(self._pending)
                 self._pending = ""
                 return False
@@ -472,9 +476,9 @@ class _Llama3Stream:
     def _open(self, rest: str, at: int) -> None:
         """``rest``, the undecided text from ``at`` in ``_pending``, opens an object or content."""
         if not rest.startswith("{"):
-            self._state = "content"
+            self._state = _Llama3State.CONTENT
             return
-        self._state = "object"
+        self._state = _Llama3State.OBJECT
         self._object_at, self._scanned, self._object = at, at, _JsonObjectEnd()
 
     def _step_object(self) -> bool:
@@ -485,11 +489,11 @@ class _Llama3Stream:
         end += self._scanned
         call = _named_call(self._pending[self._object_at : end], ("arguments", "parameters"))
         if call is None:  # not a call: this and all that follows is content
-            self._state = "content"
+            self._state = _Llama3State.CONTENT
             return True
         self._out.call(*call)
         self._pending = self._pending[end:]
-        self._state = "between"
+        self._state = _Llama3State.BETWEEN
         return True
 
 

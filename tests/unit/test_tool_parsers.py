@@ -7,6 +7,7 @@ import itertools
 import json
 import random
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -277,7 +278,7 @@ def test_streamed_cut_once_anywhere(case: Case) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_streamed_cut_at_random(case: Case) -> None:
-    seed = random.randrange(2**32)
+    seed = zlib.crc32(case_id(case).encode())  # fixed per case, so a failure replays
     print(f"seed={seed}")
     rng = random.Random(seed)
     whole = parser_for(case.format, new_id=ids()).parse(case.text)
