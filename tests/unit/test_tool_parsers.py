@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from switchyard.ingress.errors import IngressError
 from switchyard.ingress.tool_parsers import (
@@ -285,6 +287,36 @@ def test_streamed_cut_at_random(case: Case) -> None:
     for _ in range(20):
         at = rng.sample(range(len(case.text) + 1), k=min(len(case.text), rng.randint(1, 8)))
         assert streamed(case.format, cut(case.text, at))[0] == whole, at
+
+
+def chunk(event: Event | None) -> ChatCompletionChunk:
+    """The chunk the ingress sends for an event (None: the last one, with its finish reason)."""
+    if event is None:
+        delta: dict[str, object] = {}
+    elif isinstance(event, str):
+        delta = {"content": event}
+    else:
+        head = {"id": event.id, "type": "function"} if event.id else {}
+        name = {"name": event.name} if event.name else {}
+        delta = {"tool_calls": [{"index": event.index, **head, "function": {**name, "arguments": event.arguments}}]}
+    choice = {"index": 0, "delta": delta, "finish_reason": "tool_calls" if event is None else None}
+    return ChatCompletionChunk.model_validate(
+        {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}
+    )
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.calls], ids=case_id)
+def test_the_openai_client_assembles_the_stream_into_the_whole_text_parse(case: Case) -> None:
+    whole = parser_for(case.format, new_id=ids()).parse(case.text)
+    _, batches = streamed(case.format, list(case.text))
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    for event in [*(e for batch in batches for e in batch), None]:
+        state.handle_chunk(chunk(event))
+    message = state.get_final_completion().choices[0].message
+    assert message.content == whole.content
+    assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        (c.id, c.name, c.arguments) for c in whole.tool_calls
+    ]
 
 
 def leaked(content: str, markers: tuple[str, ...]) -> bool:
