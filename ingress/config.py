@@ -8,6 +8,22 @@ from switchyard.observability import DEFAULT_NATS_URL, NatsClient, NatsClientCon
 from switchyard.schemas import ConfigStruct, setting
 
 
+class UsageConfig(ConfigStruct, frozen=True, kw_only=True):
+    """The usage records (``ingress.usage``): one per finished generation, on JetStream."""
+
+    records: Annotated[bool, setting("publish a usage record per finished request to JetStream, for billing")] = True
+    # The stream's limits, set when an ingress creates it; a stream that exists keeps its own
+    # (the ingress may create it, not change it: schemas.permissions).
+    max_age_s: Annotated[float, setting("usage stream: records older than this are removed", gt=0)] = 90 * 86400.0
+    max_bytes: Annotated[int, setting("usage stream: the oldest records are removed above this size", gt=0)] = 1024**3
+    # A record retried within the window is stored once (Nats-Msg-Id = request id); one
+    # retried later is stored again, and readers deduplicate by request id.
+    duplicate_window_s: Annotated[float, setting("usage stream: how long a request id is remembered", gt=0)] = 600.0
+    buffer: Annotated[
+        int, setting("usage records held while JetStream is unreachable; more are dropped and counted", gt=0)
+    ] = 10_000
+
+
 class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
     nats_url: NatsUrl = DEFAULT_NATS_URL
     nats_client: NatsClient = NatsClientConfig()
@@ -75,6 +91,12 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
         setting("how long a stream whose worker is lost waits for a worker of that role to be there again", ge=0),
     ] = 5.0
     trace_exporter: Annotated[Literal["none", "console", "otlp"], setting("where spans go")] = "none"
+    # How the model writes a tool call (ingress.tool_parsers); without one, `tool_choice: auto`
+    # is refused (a named or required call needs none: the output is constrained to it).
+    tool_call_parser: Annotated[
+        Literal["", "hermes", "llama3_json", "kimi_k2"],
+        setting("the model's tool-call format: hermes (Hermes, Qwen), llama3_json, kimi_k2; empty: none"),
+    ] = ""
     cors_allow_origins: Annotated[
         str, setting('origins browsers may call the API from, comma-separated ("*": any; empty: no CORS)')
     ] = ""
@@ -88,6 +110,8 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
         ),
     ] = "none"
     keys_file: Annotated[str, setting("--auth keys: the API keys file that `switchyard keys create` writes")] = ""
+    usage: Annotated[UsageConfig, setting("per-tenant usage records", prefix="usage-")] = UsageConfig()
+    region: Annotated[str, setting("this ingress's region, written into its usage records (empty: none)")] = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,4 +1,4 @@
-"""The ingress process: the HTTP server and the stream router in one task group."""
+"""The ingress process: the HTTP server, the stream router and the usage recorder in one task group."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from switchyard.ingress.edge import EdgeLimits, edge_protocol
 from switchyard.ingress.errors import IngressError
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.tokenizer import ModelTokenizer
+from switchyard.ingress.usage import UsageRecorder
 from switchyard.observability import BusStats, ServingMetrics, connect, subscribe
 from switchyard.schemas import subjects
 
@@ -54,7 +55,10 @@ class IngressService:
         cfg = self.config
         sock = _bind(cfg.host, cfg.port)
         async with connect(cfg.nats_url, cfg.ingress_id, self.stats, cfg.nats_client) as nc:
-            ingress = Ingress(cfg, self.tokenizer, nc, self.router, self.metrics, self.stats, self.gate)
+            self.usage = UsageRecorder(nc, cfg, self.metrics)
+            ingress = Ingress(
+                cfg, self.tokenizer, nc, self.router, self.metrics, self.stats, self.gate, self.usage.on_finished
+            )
             server = _Server(
                 uvicorn.Config(
                     ingress.app,
@@ -73,6 +77,7 @@ class IngressService:
                     tg.start_soon(self.router.serve, tokens)
                     tg.start_soon(self.router.watch_schedulers, await subscribe(nc, subjects.ROLL_CALL))
                     tg.start_soon(self.router.watch_idle, cfg.stream_idle_timeout_s, cfg.reconnect_stall_s, self.stats)
+                    await tg.start(self.usage.run)
                     await nc.flush()
                     tg.start_soon(self._serve_http, server, sock, tg.cancel_scope)
                     while not server.started:  # noqa: ASYNC110 (uvicorn offers a flag, no event)

@@ -68,6 +68,24 @@ class ServingMetrics:
             registry=r,
         )
         self.generation_tokens = Counter("switchyard_generation_tokens", "Output tokens sent.", ["tenant"], registry=r)
+        self.tenant_requests = Counter(
+            "switchyard_tenant_requests",
+            "Finished requests by tenant and outcome (ok, error, cancelled).",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        # The usage records (ingress/usage.py): published to JetStream, or lost.
+        self.usage_published = Counter(
+            "switchyard_usage_records_published", "Usage records JetStream stored.", registry=r
+        )
+        self.usage_dropped = Counter(
+            "switchyard_usage_records_dropped",
+            "Usage records lost: the buffer was full while JetStream was unreachable, or the ingress stopped first.",
+            registry=r,
+        )
+        self.usage_pending = Gauge(
+            "switchyard_usage_records_pending", "Usage records waiting to be published.", registry=r
+        )
         self.requests = Counter("switchyard_requests", "Requests by outcome.", ["outcome"], registry=r)
         self.migrations = Counter(
             "switchyard_migrations",

@@ -10,7 +10,9 @@ credentials cannot act as another:
 - a worker reports (events, KV events, tokens) and hears only its own tasks and
   snapshot requests: it cannot publish a task, read another worker's, or forge a Cancel;
   it publishes tokens only under its own id, so it cannot pass as another worker;
-- the scheduler dispatches and keeps its JetStream buckets (sessions, its lease).
+- the scheduler dispatches and keeps its JetStream buckets (sessions, its lease);
+- an ingress also writes usage records to JetStream: it may create the usage stream and
+  publish records, never change, purge or delete the stream nor read it (billing's data).
 
 Replies travel by NATS's ``allow_responses``: a role that answers requests may publish
 once to the reply subject of each request it received, and nowhere else in ``_INBOX``.
@@ -27,7 +29,7 @@ from typing import Literal
 
 import msgspec
 
-from switchyard.schemas import subjects
+from switchyard.schemas import subjects, usage
 
 Role = Literal["scheduler", "worker", "ingress", "admin"]
 
@@ -78,7 +80,10 @@ def worker(worker_id: str) -> Permissions:
 
 def ingress() -> Permissions:
     return Permissions(
-        publish=(subjects.SUBMIT, subjects.CANCEL),
+        # Usage records: the stream is created if missing (the same config again is a no-op;
+        # another is refused, not applied), and each record's JetStream ack comes back on the
+        # ingress's inbox.
+        publish=(subjects.SUBMIT, subjects.CANCEL, subjects.every_usage(), f"$JS.API.STREAM.CREATE.{usage.STREAM}"),
         # Roll calls: a new scheduler may not know what the last one had queued (streams).
         subscribe=(subjects.stream("*", "*"), subjects.ROLL_CALL, f"{INGRESS_INBOX}.>"),
         inbox_prefix=INGRESS_INBOX,

@@ -55,3 +55,16 @@ def streams_of(ingress_id: str) -> str:
 def stream_sender(subject: str) -> str:
     """The sender token of a ``stream`` subject."""
     return subject.rpartition(".")[2]
+
+
+def usage(tenant: str) -> str:
+    """ingress -> JetStream (``schemas.usage.STREAM``), publish with ``Nats-Msg-Id`` = the
+    request id: ``UsageRecord`` (JSON), one per finished generation. One subject per tenant,
+    so a consumer may filter by tenant. A tenant may hold dots (``[A-Za-z0-9._-]``), which
+    would split the token: they are written ``~``, which no tenant holds."""
+    return f"{ROOT}.usage.{tenant.replace('.', '~')}"
+
+
+def every_usage() -> str:
+    """Every tenant's usage subject: what the usage stream holds."""
+    return f"{ROOT}.usage.>"

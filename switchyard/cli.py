@@ -7,6 +7,7 @@
     switchyard config show   the effective configuration of every service, and its sources
     switchyard keys ...      API keys for --auth keys: create, list, revoke
     switchyard nats-auth     NATS users, one per role, and their permissions (--out DIR)
+    switchyard usage         the usage records on JetStream, summarised by tenant
     switchyard bench ...     benchmarks
 
 Every setting's flag is derived from its declaration on the config trees
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     nats_auth.add_arguments(
         sub.add_parser("nats-auth", help="NATS users and permissions for a deployment: server config, credentials")
     )
+
+    from switchyard import usage
+
+    usage.add_arguments(sub.add_parser("usage", help="the usage records on JetStream, by tenant (cached share too)"))
 
     tiny = sub.add_parser("build-tiny-model", help="build the tiny Llama (seeded weights) that vLLM serves in tests")
     tiny.add_argument("directory", type=Path)
@@ -184,6 +189,10 @@ def _main(args: argparse.Namespace) -> int:
             from switchyard import nats_auth
 
             return nats_auth.run(args)
+        case "usage":
+            from switchyard import usage
+
+            return usage.run(args)
         case "build-tiny-model":
             from switchyard.tiny_model import main as build
 
