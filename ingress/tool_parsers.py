@@ -29,8 +29,9 @@ stream the arguments piece by piece: a call that turns out malformed could not b
 and the arguments could not be normalised; tool calls are short, so the wait is short too.
 
 Malformed calls (bad JSON, no name, arguments that are no object, cut off by max_tokens) are
-not dropped: their text, markers included, is returned as content where it stood, as vLLM
-does (vLLM returns the *whole* output as content; here the valid calls around it stay calls).
+not dropped: their text, markers included, is returned as content where it stood. vLLM's
+Hermes and Llama parsers return the *whole* output as content then (here the valid calls
+around it stay calls); its Kimi K2 parser passes broken arguments on as the call's.
 
 Content is the text outside calls, verbatim, with two rules:
 - it never carries part of a marker: a tail that might begin one (``"<tool_"``) is held back,
