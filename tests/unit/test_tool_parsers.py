@@ -133,6 +133,9 @@ CASES = [
     Case("no end marker", "hermes", '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n', None, (("f", {"x": 1}),)),
     Case("cut off", "hermes", 'Sure <tool_call>\n{"name": "f", "argu', 'Sure <tool_call>\n{"name": "f", "argu'),
     Case("text after", "hermes", hermes("f", {}) + "\n\nDone.", "\n\nDone.", (("f", {}),)),
+    Case(
+        "whitespace before, text after", "hermes", "\n" + hermes("f", {}) + "\nthen text", "\nthen text", (("f", {}),)
+    ),
     Case("marker prefix at end", "hermes", "Almost <tool_", "Almost <tool_"),
     Case("whitespace only", "hermes", " \n ", " \n "),
     Case("whitespace around calls", "hermes", "\n\n" + hermes("f", {}) + "\n \n", None, (("f", {}),)),
