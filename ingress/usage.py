@@ -189,6 +189,7 @@ class UsageRecorder:
         except Exception as exc:  # a timeout, the connection down, an API error: tried again
             self._failed(repr(exc))
             return False
+        self._stream_ready = True  # whoever made it (an operator may have, without our right to)
         if self._failing:
             self._failing = False
             log.info("usage records are published again (%d waiting)", self._receive.statistics().current_buffer_used)

@@ -100,6 +100,28 @@ async def test_a_record_retried_within_the_window_is_stored_once(nats):
     assert rec.published == 2 and rec.dropped == 0
 
 
+async def test_a_stream_that_exists_keeps_its_operators_configuration(nats):
+    async with connect(nats.url, "operator") as nc:
+        js = nc.jetstream()
+        await js.add_stream(name=usage.STREAM, subjects=[subjects.every_usage()], max_age=86400, duplicate_window=60)
+        async with recorder(nats.url) as rec:
+            rec.add(record("chatcmpl-1"))
+            await published(rec, 1)
+        kept = (await js.stream_info(usage.STREAM)).config
+    assert (kept.max_age, kept.duplicate_window, kept.storage) == (86400, 60, StorageType.FILE)
+    assert [r.request_id for r in await stored(nats.url)] == ["chatcmpl-1"]
+
+
+async def test_a_stream_deleted_under_a_running_ingress_is_created_again(nats):
+    async with recorder(nats.url) as rec, connect(nats.url, "operator") as nc:
+        rec.add(record("chatcmpl-1"))
+        await published(rec, 1)
+        await nc.jetstream().delete_stream(usage.STREAM)
+        rec.add(record("chatcmpl-2"))
+        await published(rec, 2)
+    assert [r.request_id for r in await stored(nats.url)] == ["chatcmpl-2"]
+
+
 async def test_records_wait_for_jetstream_and_are_delivered_once_it_is_there():
     port = procs.free_port()
     with procs.nats_server(port=port, jetstream=False) as plain:
