@@ -1,6 +1,6 @@
 """``switchyard usage``: the usage stream summarised by tenant, cached share included.
 
-    switchyard usage [--nats-url URL] [--nats-credentials-file F] [--since DURATION] [--json]
+    switchyard usage [--nats-url URL] [--nats-credentials-file F] [--since DURATION] [--json] [--timeout-s X]
 
 It reads the JetStream stream the ingresses publish their usage records to
 (``schemas.usage``) as a billing system would: an ordered, ephemeral consumer from the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import logging
 import re
 import sys
 from collections.abc import Iterable
@@ -21,11 +22,12 @@ from dataclasses import asdict, dataclass
 
 import anyio
 import msgspec
+import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from switchyard.observability import DEFAULT_NATS_URL, NatsClientConfig, connect
-from switchyard.schemas import UsageRecord, subjects, usage
+from switchyard.observability import DEFAULT_NATS_URL, NatsClientConfig, connect, redacted
+from switchyard.schemas import SwitchyardError, UsageRecord, subjects, usage
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--since", type=duration, default=None, metavar="DURATION", help="only the last DURATION: 90s, 15m, 24h, 7d"
     )
+    parser.add_argument(
+        "--timeout-s", type=float, default=30.0, metavar="X", help="give up after this long (default: 30)"
+    )
     parser.add_argument("--json", action="store_true", help="as JSON")
 
 
@@ -49,6 +54,10 @@ def duration(text: str) -> float:
     if not parts or "".join(n + u for n, u in parts) != text:
         raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 90s, 15m, 24h or 7d")
     return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+class UsageReadError(SwitchyardError):
+    """The usage stream could not be read (no server there, no JetStream, no right to)."""
 
 
 @dataclass
@@ -122,8 +131,20 @@ def _cells(u: TenantUsage) -> tuple[str, ...]:
     return (u.tenant, *(f"{n:,}" for n in numbers), f"{100 * u.cached_share:.1f}%", f"{u.completion_tokens:,}")
 
 
-async def read_records(url: str, client: NatsClientConfig, since_s: float | None = None) -> list[UsageRecord]:
+async def read_records(
+    url: str, client: NatsClientConfig, since_s: float | None = None, timeout_s: float = 30.0
+) -> list[UsageRecord]:
     """Every record in the stream (stored in the last ``since_s``), up to the last one there now."""
+    try:
+        with anyio.fail_after(timeout_s):
+            return await _read(url, client, since_s)
+    except TimeoutError:
+        raise UsageReadError(f"{redacted(url)}: no answer within {timeout_s:g} s (is NATS there?)") from None
+    except nats.errors.Error as exc:
+        raise UsageReadError(f"{redacted(url)}: cannot read the usage stream {usage.STREAM}: {exc!r}") from None
+
+
+async def _read(url: str, client: NatsClientConfig, since_s: float | None) -> list[UsageRecord]:
     async with connect(url, "switchyard-usage", client=client) as nc:
         js = nc.jetstream()
         try:
@@ -164,7 +185,15 @@ def _decoded(data: bytes) -> UsageRecord | None:
 
 def run(args: argparse.Namespace) -> int:
     client = NatsClientConfig(credentials_file=args.nats_credentials_file, tls_ca=args.nats_tls_ca)
-    records = anyio.run(read_records, args.nats_url, client, args.since)
+    # The connection retries a server that is not there, saying so at each try: the
+    # command says it once, when it gives up.
+    bus_log = logging.getLogger("switchyard.observability.bus")
+    level = bus_log.level
+    bus_log.setLevel(logging.ERROR)
+    try:
+        records = anyio.run(read_records, args.nats_url, client, args.since, args.timeout_s)
+    finally:
+        bus_log.setLevel(level)
     summary = summarise(records)
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(summary.as_dict())).decode() + "\n")

@@ -257,3 +257,12 @@ async def test_since_reads_only_the_records_stored_since(nats):
 async def test_the_command_on_a_server_without_records(nats, capsys):
     assert await anyio.to_thread.run_sync(cli.main, ["usage", "--nats-url", nats.url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["total"]["requests"] == 0
+
+
+async def test_the_command_says_why_it_cannot_read(capsys):
+    with procs.nats_server(jetstream=False) as plain:
+        assert await anyio.to_thread.run_sync(cli.main, ["usage", "--nats-url", plain.url]) == 2
+    assert "cannot read the usage stream SWITCHYARD_USAGE" in capsys.readouterr().err
+    nobody = f"nats://127.0.0.1:{procs.free_port()}"
+    assert await anyio.to_thread.run_sync(cli.main, ["usage", "--nats-url", nobody, "--timeout-s", "1"]) == 2
+    assert "no answer within 1 s" in capsys.readouterr().err
