@@ -118,7 +118,7 @@ class UsageRecorder:
     def on_finished(self, generation: Generation, outcome: str) -> None:
         """``Ingress``'s hook: count the request, buffer its record. Never blocks or raises."""
         m = self._metrics
-        m.tenant_requests.labels(m.tenant_label(generation.spec.tenant), outcome).inc()
+        m.tenant_requests.labels(m.tenant_label(generation.spec.tenant), _outcome(outcome)).inc()  # both bounded
         if not self.enabled:
             return
         try:
