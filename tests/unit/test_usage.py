@@ -10,9 +10,12 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard import usage as usage_cli
-from switchyard.ingress.usage import usage_record
+from switchyard.ingress.config import IngressConfig, UsageConfig
+from switchyard.ingress.usage import UsageRecorder, usage_record
+from switchyard.observability import ServingMetrics
 from switchyard.schemas import UsageRecord, permissions, subjects, usage
 
 
@@ -144,3 +147,20 @@ def test_the_summary_counts_each_request_once_and_shows_the_cached_share():
     assert lines[0].split() == head.split()
     assert lines[2].split() == ["zeta", "2", "400", "300", "75.0%", "5"]
     assert lines[-1] == "(1 duplicate records skipped)"
+
+
+def test_requests_are_counted_by_tenant_with_a_bounded_label_set_and_buffered():
+    metrics = ServingMetrics(max_tenants=2)
+    recorder = UsageRecorder(None, IngressConfig(usage=UsageConfig(buffer=3)), metrics)  # type: ignore[arg-type]
+    for n, tenant in enumerate(["a", "b", "c", "a", "d"]):
+        recorder.on_finished(generation(0.1, tenant=tenant, request_id=f"r-{n}"), "ok" if n else "weird")  # type: ignore[arg-type]
+    samples = {
+        (s.labels["tenant"], s.labels["outcome"]): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        if family.name == "switchyard_tenant_requests"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    assert samples == {("a", "error"): 1, ("b", "ok"): 1, ("(other)", "ok"): 2, ("a", "ok"): 1}
+    assert recorder.dropped == 2  # a buffer of 3, nobody publishing
+    assert "switchyard_usage_records_pending 3.0" in metrics.exposition().decode()
