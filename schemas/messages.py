@@ -33,11 +33,50 @@ class _Wire(msgspec.Struct, frozen=True, kw_only=True):
     """
 
 
+class StructuredOutput(_Wire, frozen=True):
+    """What the output must match (one of them): the engine's grammar backend enforces it.
+
+    Token 0 is sampled under the grammar too, so a request with one does not take its first
+    token from the prefill engine: the decode engine samples every token, the grammar whole
+    (see ``SamplingParams.decode_samples_first``)."""
+
+    json_schema: str | None = None  # a JSON Schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF / Lark, as the backend reads it
+
+
 class SamplingParams(_Wire, frozen=True):
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0  # no EOS or stop token before this many output tokens
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []  # each ends the output (after min_tokens); it is output itself
+    logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely
+    structured: StructuredOutput | None = None
+
+    @property
+    def decode_samples_first(self) -> bool:
+        """Token 0 is sampled where the rest is (decode), not by the prefill: a grammar's
+        state cannot be handed from one engine to the other."""
+        return self.structured is not None
+
+
+class TokenLogprobs(_Wire, frozen=True, array_like=True):
+    """One output token's log-probability, and the most likely tokens at its position."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class RequestSpec(_Wire, frozen=True):
@@ -195,7 +234,8 @@ class PrefillTask(_Wire, frozen=True, tag="prefill"):
 class DecodeTask(_Wire, frozen=True, tag="decode"):
     spec: RequestSpec
     handle: KvHandle
-    first_token: int  # already streamed by the prefill worker (seq 0)
+    first_token: int  # already streamed by the prefill worker (seq 0); -1 when decode samples it
+    # (``SamplingParams.decode_samples_first``)
     usage: PromptUsage
     charged_tokens: int | None = None  # see PrefillTask
 
@@ -375,6 +415,8 @@ class StreamChunk(_Wire, frozen=True):
     # From the scheduler only: this worker now serves the request (prefill or decode), so
     # its chunks are accepted. Chunks of a worker never assigned are refused (subjects.stream).
     assigned: str | None = None
+    # One per token of ``token_ids`` when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class StreamBatch(_Wire, frozen=True):
@@ -424,9 +466,11 @@ __all__ = [
     "StreamBatch",
     "StreamChunk",
     "StreamError",
+    "StructuredOutput",
     "SubmitRequest",
     "TaskAck",
     "Tier",
+    "TokenLogprobs",
     "VllmKvHandle",
     "WorkerEvent",
     "WorkerLeaving",

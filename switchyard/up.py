@@ -128,7 +128,13 @@ def finish_worker(config: WorkerConfig) -> WorkerConfig:
     tokenizer = ModelTokenizer.load(Path(config.model_path))
     ordinary = tokenizer.sample_token_ids()
     low = 256 if len(ordinary) > 512 else ordinary.start  # single-byte tokens decode to broken UTF-8 alone
-    sim = msgspec.structs.replace(config.sim, token_low=low, token_high=ordinary.stop)
+    sim = msgspec.structs.replace(
+        config.sim,
+        token_low=low,
+        token_high=ordinary.stop,
+        eos_token_id=tokenizer.info.eos_token_id,
+        tokenizer_path=str(Path(config.model_path).resolve() / "tokenizer.json"),
+    )
     return msgspec.structs.replace(config, model=config.model or tokenizer.info.name, sim=sim)
 
 

@@ -31,6 +31,7 @@ from switchyard.schemas import (
     PrefillTask,
     RequestFinished,
     StreamChunk,
+    TokenLogprobs,
     WorkerTask,
 )
 from switchyard.workers.engine import DecodeEngine, StepOutput
@@ -47,6 +48,7 @@ class _Stream:
     span: Span
     generated: int = 1  # token 0 came from prefill
     pending: list[int] = field(default_factory=list)  # stepped, not yet sent
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, if asked for
     pending_seq: int = 0  # output position of pending[0]
     finished: FinishReason | None = None
     kv_expected_tokens: int = 0
@@ -97,7 +99,8 @@ class DecodeRole:
         span = tracing.tracer().start_span("worker.decode", context=ctx)
         span.set_attribute("switchyard.worker_id", self.worker_id)
         self.engine.add(task)
-        self._streams[task.spec.request_id] = _Stream(task.spec.ingress_id, span)
+        generated = 0 if task.spec.sampling.decode_samples_first else 1  # token 0: prefill's, or ours
+        self._streams[task.spec.request_id] = _Stream(task.spec.ingress_id, span, generated=generated)
         self._wake.set()
 
     def _offer_local(self, task: LocalTask, headers: dict[str, str]) -> str | None:
@@ -175,6 +178,8 @@ class DecodeRole:
             if out.token is not None:
                 stream.pending.append(out.token)
                 stream.generated += 1
+                if out.logprobs is not None:
+                    stream.pending_logprobs.append(out.logprobs)
             if out.finished is not None:
                 stream.finished = out.finished
                 stream.kv_expected_tokens, stream.kv_loaded_tokens = out.kv_expected_tokens, out.kv_loaded_tokens
@@ -191,10 +196,14 @@ class DecodeRole:
                 continue  # cancelled since it stepped
             by_ingress.setdefault(stream.ingress_id, []).append(
                 StreamChunk(
-                    request_id=rid, seq=stream.pending_seq, token_ids=stream.pending, finish_reason=stream.finished
+                    request_id=rid,
+                    seq=stream.pending_seq,
+                    token_ids=stream.pending,
+                    finish_reason=stream.finished,
+                    logprobs=stream.pending_logprobs or None,
                 )
             )
-            stream.pending = []
+            stream.pending, stream.pending_logprobs = [], []
             if stream.finished is not None:
                 del self._streams[rid]
                 stream.span.set_attribute("switchyard.generated_tokens", stream.generated)

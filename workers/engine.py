@@ -11,7 +11,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from switchyard.schemas import DecodeTask, FinishReason, KvHandle, PrefillTask
+from switchyard.schemas import DecodeTask, FinishReason, KvHandle, PrefillTask, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,7 @@ class PrefillResult:
     batch_tokens: int = 0  # uncached tokens the batch computed in that time
     # Set when token 0 itself ended the request (EOS or a stop token: "stop"): no decode follows.
     finish_reason: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None  # token 0's, when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class StepOutput:
     # handle promised, and those the engine loaded rather than computed.
     kv_expected_tokens: int = 0
     kv_loaded_tokens: int = 0
+    logprobs: TokenLogprobs | None = None  # ``token``'s, when the request asked for them
 
 
 class PrefillEngine(Protocol):

@@ -20,6 +20,19 @@ def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tup
         prefill_s=result.prefill_s,
         batch_tokens=result.batch_tokens,
     )
+    if spec.sampling.decode_samples_first:
+        # The prefill's token is not the request's (it was sampled outside the grammar, see
+        # ``SamplingParams.decode_samples_first``): the client gets the usage, decode token 0.
+        chunk = StreamChunk(request_id=spec.request_id, seq=spec.resume_from, usage=usage)
+        done = PrefillDone(
+            worker_id=worker_id,
+            request_id=spec.request_id,
+            handle=result.handle,
+            first_token=-1,
+            usage=usage,
+            finished=False,
+        )
+        return chunk, done
     # Token 0 ends the request when the engine says so (EOS, a stop token) or when it was all
     # the request asked for; either way no decode follows.
     reason = result.finish_reason or ("length" if spec.sampling.max_tokens <= 1 else None)
@@ -29,6 +42,7 @@ def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tup
         token_ids=[result.first_token],
         finish_reason=reason,
         usage=usage,
+        logprobs=None if result.logprobs is None else [result.logprobs],
     )
     done = PrefillDone(
         worker_id=worker_id,

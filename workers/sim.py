@@ -24,10 +24,12 @@ and counts positions from where the client left off: it continues the very same 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 
@@ -36,14 +38,20 @@ from switchyard.schemas import (
     BlocksStored,
     ConfigStruct,
     DecodeTask,
+    FinishReason,
     KvEvent,
     PrefillTask,
+    RequestSpec,
+    SamplingParams,
     SimKvHandle,
     Tier,
+    TokenLogprobs,
     setting,
 )
 from switchyard.workers.engine import PrefillResult, StepOutput
+from switchyard.workers.errors import EngineError
 
+log = logging.getLogger(__name__)
 _MASK = (1 << 64) - 1
 
 
@@ -72,6 +80,12 @@ class SimEngineConfig(ConfigStruct, frozen=True, kw_only=True):
     # Output tokens are drawn from [token_low, token_high): derived from the model's tokenizer.
     token_low: Annotated[int, setting("lowest output token", hidden=True)] = 256
     token_high: Annotated[int, setting("output tokens lie below this one", hidden=True)] = 4096
+    eos_per_token: Annotated[
+        float, setting("sim: the chance that an output token is EOS, ending the output early", ge=0, le=1)
+    ] = 0.0
+    eos_token_id: Annotated[int, setting("the model's EOS token (-1: none)", hidden=True)] = -1
+    # The model's tokenizer.json: a structured request's output is its instance text, tokenized.
+    tokenizer_path: Annotated[str, setting("the model's tokenizer.json", hidden=True)] = ""
 
 
 def _mix(x: int) -> int:
@@ -109,10 +123,38 @@ class SimEngine:
         self._host = _TierCache("host", config.host_cache_blocks)  # capacity 0: holds nothing
         self._running: dict[str, _Sequence] = {}
         self._held = 0
+        self._tokens: Any = None  # the tokenizer, loaded for the first structured request
 
     def token(self, key: int, position: int) -> int:
         span = self.config.token_high - self.config.token_low
         return self.config.token_low + _mix(key ^ (position * 0x632BE59BD9B4E019 & _MASK)) % span
+
+    def output(self, key: int, position: int, sampling: SamplingParams) -> tuple[int, FinishReason | None]:
+        """The token at ``position`` and whether it ends the output, as an engine honours
+        ``ignore_eos``, ``min_tokens`` and ``stop_token_ids``: EOS comes with chance
+        ``eos_per_token`` (never with ``ignore_eos``), and neither EOS nor a stop token comes
+        before ``min_tokens`` (the draw moves on, as a masked logit would)."""
+        eos = self.config.eos_token_id
+        allowed = position >= sampling.min_tokens
+        chance = self.config.eos_per_token
+        if chance and eos >= 0 and allowed and not sampling.ignore_eos:
+            if _mix(key ^ 0xE05 ^ position) / 2**64 < chance:
+                return eos, "stop"
+        stops = sampling.stop_token_ids
+        token, salt = self.token(key, position), 0
+        while stops and token in stops and not allowed and salt < 64:
+            salt += 1
+            token = self.token(_mix(key ^ salt), position)
+        return token, "stop" if stops and token in stops and allowed else None
+
+    def logprobs(self, key: int, position: int, token: int, k: int) -> TokenLogprobs:
+        """Made-up but consistent log-probabilities: the sampled token's in [-3, -1], the
+        top ``k`` led by it and falling by 1 each (their probabilities sum below one)."""
+        logprob = -1.0 - (_mix(key ^ 0x1096 ^ position) % 2000) / 1000
+        span = self.config.token_high - self.config.token_low
+        others = [self.config.token_low + (token - self.config.token_low + i) % span for i in range(1, k)]
+        top = [token, *others][:k]
+        return TokenLogprobs(logprob=logprob, top_ids=top, top_logprobs=[logprob - i for i in range(len(top))])
 
     # --- prefill ---------------------------------------------------------------------
 
@@ -132,13 +174,18 @@ class SimEngine:
     def _result(self, task: PrefillTask, cached: int, elapsed: float, batch_tokens: int) -> PrefillResult:
         spec = task.spec
         handle = SimKvHandle(worker_id=self.worker_id, block_keys=spec.block_keys, num_tokens=len(spec.prompt_tokens))
+        key, position, sampling = sampling_key(task), spec.resume_from, spec.sampling
+        token, finished = self.output(key, position, sampling)
+        logprobs = None if sampling.logprobs is None else self.logprobs(key, position, token, sampling.logprobs)
         return PrefillResult(
             request_id=spec.request_id,
-            first_token=self.token(sampling_key(task), spec.resume_from),
+            first_token=token,
             cached_tokens=cached,
             handle=handle,
             prefill_s=elapsed,
             batch_tokens=batch_tokens,
+            finish_reason=finished,
+            logprobs=logprobs,
         )
 
     def _hits(self, task: PrefillTask) -> tuple[int, int]:
@@ -188,14 +235,48 @@ class SimEngine:
         are in this worker's cache now, where the next turn of a conversation may hit."""
         spec = task.spec
         self._remember(spec.block_keys)
+        key = sampling_key(task)
         seq = _Sequence(
-            key=sampling_key(task),
-            next_position=spec.resume_from + 1,
+            key=key,
+            # Token 0 came from the prefill, unless this engine samples it (a structured output).
+            next_position=spec.resume_from + (0 if spec.sampling.decode_samples_first else 1),
             max_tokens=spec.resume_from + spec.sampling.max_tokens,
             tokens=len(spec.prompt_tokens) + spec.sampling.max_tokens,
+            sampling=spec.sampling,
+            script=self._structured(spec, key),
         )
         self._running[spec.request_id] = seq
         self._held += seq.tokens
+
+    def _structured(self, spec: RequestSpec, key: int) -> list[int] | None:
+        """A structured request's whole output: an instance of what it asked for, as a
+        grammar-constrained engine would write one (``workers.sim_structured``), tokenized."""
+        structured = spec.sampling.structured
+        if structured is None:
+            return None
+        from switchyard.workers.sim_structured import instance_text
+
+        try:
+            if structured.choice:
+                text = structured.choice[key % len(structured.choice)]
+            elif structured.json_schema is not None or structured.json_object:
+                schema = None if structured.json_schema is None else json.loads(structured.json_schema)
+                text = instance_text(schema, key)
+            else:
+                raise ValueError("the sim engine writes JSON and choices only, not regexes or grammars")
+        except ValueError as exc:  # UnsupportedSchema among them
+            log.warning("%s: the sim engine cannot write this structured output: %s", spec.request_id, exc)
+            return []  # ends at once, aborted: never an output that does not match
+        return self._tokenizer().encode(text, add_special_tokens=False).ids
+
+    def _tokenizer(self):
+        if self._tokens is None:
+            if not self.config.tokenizer_path:
+                raise EngineError("the sim engine was given no tokenizer: it cannot write a structured output")
+            from tokenizers import Tokenizer
+
+            self._tokens = Tokenizer.from_file(self.config.tokenizer_path)
+        return self._tokens
 
     def abort(self, request_id: str) -> bool:
         seq = self._running.pop(request_id, None)
@@ -209,19 +290,37 @@ class SimEngine:
         for rid, seq in list(self._running.items()):
             position = seq.next_position
             seq.next_position += 1
-            done = seq.next_position >= seq.max_tokens
-            outputs.append(StepOutput(rid, self.token(seq.key, position), position, "length" if done else None))
-            if done:
+            token, finished = self._next(seq, position)
+            if finished is None and seq.next_position >= seq.max_tokens:
+                finished = "length"
+            logprobs = None
+            if seq.sampling.logprobs is not None:
+                logprobs = self.logprobs(seq.key, position, token, seq.sampling.logprobs)
+            outputs.append(StepOutput(rid, token, position, finished, logprobs=logprobs))
+            if finished:
                 self.abort(rid)
         return outputs
+
+    def _next(self, seq: _Sequence, position: int) -> tuple[int, FinishReason | None]:
+        if seq.script is None:
+            return self.output(seq.key, position, seq.sampling)
+        if not seq.script:
+            return self.config.token_low, "abort"
+        index = position - (seq.max_tokens - seq.sampling.max_tokens)  # from the run's first token
+        if index < len(seq.script):
+            return seq.script[index], None
+        eos = self.config.eos_token_id
+        return (eos if eos >= 0 else seq.script[-1]), "stop"  # the grammar is complete: EOS
 
 
 @dataclass(slots=True)
 class _Sequence:
     key: int
     next_position: int
-    max_tokens: int
+    max_tokens: int  # the output position it ends before
     tokens: int  # KV tokens it can come to hold
+    sampling: SamplingParams
+    script: list[int] | None = None  # a structured output's tokens, from the run's first
 
 
 class _TierCache:

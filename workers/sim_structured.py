@@ -49,6 +49,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from switchyard.workers.errors import WorkerError
+
 __all__ = ["REF_DEPTH", "UnsupportedSchema", "check_schema", "instance_text"]
 
 Schema = Mapping[str, Any]
@@ -89,7 +91,7 @@ _WORDS = (
 )  # fmt: skip
 
 
-class UnsupportedSchema(ValueError):
+class UnsupportedSchema(WorkerError, ValueError):
     """The schema asks for something the sim engine cannot honour.
 
     ``keyword`` names the keyword at fault, ``path`` is a JSON pointer to the schema object
@@ -103,7 +105,7 @@ class UnsupportedSchema(ValueError):
         super().__init__(f"schema keyword {keyword!r} at {path or '#'}: {reason}")
 
 
-class _NoInstance(Exception):
+class _NoInstance(WorkerError):
     """This branch of the schema has no instance: the caller tries another or gives up."""
 
     def __init__(self, keyword: str, path: str, reason: str) -> None:

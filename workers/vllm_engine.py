@@ -58,7 +58,9 @@ from switchyard.schemas import (
     NixlKvHandle,
     PrefillTask,
     RequestSpec,
+    StructuredOutput,
     Tier,
+    TokenLogprobs,
 )
 from switchyard.workers.engine import PrefillResult, StepOutput
 from switchyard.workers.errors import EngineError
@@ -235,6 +237,7 @@ class _Prefilled(NamedTuple):
     cached_tokens: int
     transfer_params: dict | None
     finish_reason: FinishReason | None
+    logprobs: TokenLogprobs | None
 
 
 class VllmEngine:
@@ -344,6 +347,7 @@ class VllmEngine:
                 prefill_s=elapsed,
                 batch_tokens=batch_tokens,
                 finish_reason=out.finish_reason,
+                logprobs=out.logprobs,
             )
             for task, out in zip(tasks, outputs, strict=True)
         ]
@@ -367,7 +371,8 @@ class VllmEngine:
     async def _prefill_one(self, task: PrefillTask) -> _Prefilled:
         spec = task.spec
         extra = {"kv_transfer_params": {"do_remote_decode": True}} if self.config.kv_transfer == "nixl" else None
-        params = self._sampling(spec, max_tokens=1, extra_args=extra)
+        # min(1, min_tokens): token 0 may not be EOS when the request wants more.
+        params = self._sampling(spec, max_tokens=1, min_tokens=min(1, spec.sampling.min_tokens), extra_args=extra)
         final = None
         async for output in self._serving().llm.generate(
             self._prompt(spec, spec.prompt_tokens), params, self._request_id(spec)
@@ -376,11 +381,16 @@ class VllmEngine:
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             raise EngineError(f"vLLM returned no token for {spec.request_id}")
         completion = final.outputs[0]
+        token = completion.token_ids[0]
+        logprobs = None
+        if spec.sampling.logprobs is not None and completion.logprobs:
+            logprobs = token_logprobs(completion.logprobs[0], token, spec.sampling.logprobs)
         return _Prefilled(
-            completion.token_ids[0],
+            token,
             final.num_cached_tokens or 0,
             final.kv_transfer_params,
             first_token_finish(completion.finish_reason),
+            logprobs,
         )
 
     async def wait_handoff(self, tasks: list[PrefillTask], results: list[PrefillResult]) -> None:
@@ -439,8 +449,9 @@ class VllmEngine:
         rid = spec.request_id
         # A migrated request's prompt ends with the output the client has: vLLM continues it
         # greedily as it is; only the output positions start where the client left off.
+        first = 0 if spec.sampling.decode_samples_first else 1  # token 0: the prefill's, or ours
         decoding = _Decoding(
-            anyio.CancelScope(), len(spec.prompt_tokens) + spec.sampling.max_tokens, position=spec.resume_from + 1
+            anyio.CancelScope(), len(spec.prompt_tokens) + spec.sampling.max_tokens, position=spec.resume_from + first
         )
         self._decoding[rid] = decoding
         self._serving().tasks.start_soon(self._decode_one, task, decoding, name=f"decode {rid}")
@@ -497,11 +508,17 @@ class VllmEngine:
         rid = spec.request_id
         expected = 0 if self.config.kv_transfer == "none" else _expected_loaded(task, self.worker_id)
         extra = decode_transfer_args(task.handle)
+        sampling = spec.sampling
+        if sampling.decode_samples_first:  # every token here, the grammar whole
+            prompt, max_tokens, min_tokens = spec.prompt_tokens, sampling.max_tokens, sampling.min_tokens
+        else:  # after the prefill's token 0
+            prompt, max_tokens = [*spec.prompt_tokens, task.first_token], sampling.max_tokens - 1
+            min_tokens = max(0, sampling.min_tokens - 1)
         params = self._sampling(
-            spec, max_tokens=spec.sampling.max_tokens - 1, extra_args=extra, kind=RequestOutputKind.DELTA
+            spec, max_tokens=max_tokens, min_tokens=min_tokens, extra_args=extra, kind=RequestOutputKind.DELTA
         )
         loaded = None
-        async for output in llm.generate(self._prompt(spec, [*spec.prompt_tokens, task.first_token]), params, vllm_rid):
+        async for output in llm.generate(self._prompt(spec, prompt), params, vllm_rid):
             if loaded is None:
                 loaded = output.num_cached_tokens or 0
                 if loaded < expected:
@@ -511,8 +528,12 @@ class VllmEngine:
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             reason = _FINISH.get(completion.finish_reason, "stop") if output.finished else None
+            asked = sampling.logprobs
             for i, token in enumerate(tokens):
                 last = i == len(tokens) - 1
+                logprobs = None
+                if asked is not None and completion.logprobs and i < len(completion.logprobs):
+                    logprobs = token_logprobs(completion.logprobs[i], token, asked)
                 self._emit(
                     StepOutput(
                         request_id=rid,
@@ -521,6 +542,7 @@ class VllmEngine:
                         finished=reason if last else None,
                         kv_expected_tokens=expected if last and reason else 0,
                         kv_loaded_tokens=min(loaded, expected) if last and reason else 0,
+                        logprobs=logprobs,
                     )
                 )
                 decoding.position += 1
@@ -545,7 +567,9 @@ class VllmEngine:
     def _prompt(self, spec: RequestSpec, tokens: list[int]) -> dict[str, Any]:
         return {"prompt_token_ids": tokens, "cache_salt": cache_salt_for(spec.tenant, spec.model)}
 
-    def _sampling(self, spec: RequestSpec, *, max_tokens: int, extra_args: dict | None = None, kind=None):
+    def _sampling(
+        self, spec: RequestSpec, *, max_tokens: int, min_tokens: int, extra_args: dict | None = None, kind=None
+    ):
         from vllm import SamplingParams
 
         s = spec.sampling
@@ -558,15 +582,52 @@ class VllmEngine:
             extra_args["kv_transfer_params"] = params
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
+            "min_tokens": min_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
+            "top_k": s.top_k,
+            "min_p": s.min_p,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            "logit_bias": s.logit_bias,
+            "ignore_eos": s.ignore_eos,
+            "stop_token_ids": s.stop_token_ids or None,
+            "logprobs": s.logprobs,
             "seed": s.seed,
             "detokenize": False,
             "extra_args": extra_args,
         }
+        if s.structured is not None:
+            kwargs["structured_outputs"] = structured_params(s.structured)
         if kind is not None:
             kwargs["output_kind"] = kind
         return SamplingParams(**kwargs)
+
+
+def structured_params(structured: StructuredOutput) -> Any:
+    """Ours, as vLLM's structured-output backend reads it."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(
+        json=structured.json_schema,
+        json_object=structured.json_object or None,
+        regex=structured.regex,
+        choice=structured.choice,
+        grammar=structured.grammar,
+    )
+
+
+def token_logprobs(position: dict[int, Any], token: int, k: int) -> TokenLogprobs:
+    """vLLM's logprobs at one position (token id -> ``Logprob``: the sampled token's, and the
+    ``k`` most likely by rank) as the bus carries them."""
+    top = sorted((lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None)[:k]
+    sampled = position.get(token)
+    return TokenLogprobs(
+        logprob=sampled.logprob if sampled is not None else float("-inf"),
+        top_ids=[tid for _, tid, _ in top],
+        top_logprobs=[logprob for _, _, logprob in top],
+    )
 
 
 def first_token_finish(reason: str | None) -> FinishReason | None:

@@ -28,7 +28,9 @@ from switchyard.workers.runtime import WorkerRuntime
 from switchyard.workers.sim import SimCostModel, SimEngineConfig
 
 MODEL = "switchyard-sim"
-SIM = SimEngineConfig(token_low=256, token_high=4093)
+SIM = SimEngineConfig(
+    token_low=256, token_high=4093, eos_token_id=4095, tokenizer_path=str(Path(BUNDLED_MODEL) / "tokenizer.json")
+)
 
 
 def worker_config(nats_url: str, role: str, cost: SimCostModel = SimCostModel(), **overrides) -> WorkerConfig:

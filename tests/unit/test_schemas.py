@@ -26,7 +26,25 @@ SPEC = m.RequestSpec(
     prompt_tokens=[5, 6, 7, 8, 9],
     block_size=4,
     block_keys=[2**63 + 11],
-    sampling=m.SamplingParams(max_tokens=17, temperature=0.25, top_p=0.5, seed=1234),
+    sampling=m.SamplingParams(
+        max_tokens=17,
+        temperature=0.25,
+        top_p=0.5,
+        seed=1234,
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        logit_bias={7: -100.0},
+        min_tokens=3,
+        ignore_eos=True,
+        stop_token_ids=[2, 9],
+        logprobs=5,
+        structured=m.StructuredOutput(
+            json_schema='{"type": "object"}', json_object=True, regex="a+", choice=["a", "b"], grammar="root ::= 'a'"
+        ),
+    ),
     tenant="acme",
     session="sess-1",
     priority=3,
@@ -188,6 +206,10 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
                     usage=USAGE,
                     error=m.StreamError(code="worker_lost", message="gone"),
                     assigned="d-2",
+                    logprobs=[
+                        m.TokenLogprobs(logprob=-0.5, top_ids=[1, 7], top_logprobs=[-0.5, -1.5]),
+                        m.TokenLogprobs(logprob=-2.0, top_ids=[3], top_logprobs=[-0.25]),
+                    ],
                 ),
                 m.StreamChunk(request_id="r-43", seq=0, token_ids=[9]),
             ],
@@ -271,7 +293,7 @@ def test_old_decoder_skips_an_unknown_appended_field() -> None:
 
 def test_old_decoder_skips_unknown_fields_nested_and_untagged() -> None:
     spec = msgspec.to_builtins(SPEC) | {"expires_at": 3.5}
-    spec["sampling"] |= {"min_p": 0.1}
+    spec["sampling"] |= {"mirostat_tau": 0.1}
     data = msgspec.msgpack.encode({"type": "submit", "spec": spec, "trace": {"a": [1, 2]}})
     assert codec.SCHEDULER_REQUEST.decode(data) == m.SubmitRequest(spec=SPEC)
 

@@ -6,12 +6,16 @@ model is checked by the seconds the engine asked to wait, not by a wall clock.
 
 from __future__ import annotations
 
+import json
+
 import anyio
 import anyio.lowlevel
+import msgspec
 import pytest
 
 import switchyard.workers.sim as sim
-from switchyard.schemas import DecodeTask, PrefillTask, RequestSpec, SimKvHandle
+from switchyard.schemas import DecodeTask, PrefillTask, RequestSpec, SimKvHandle, StructuredOutput
+from switchyard.workers.engine import StepOutput
 from switchyard.workers.sim import SimCostModel, SimEngine, SimEngineConfig, sampling_key
 from tests.support.factories import make_spec, prompt_of, usage_of
 
@@ -294,3 +298,77 @@ async def test_a_host_hit_is_cached_costs_only_its_fetch_and_moves_back_up(sleep
 
 def test_no_host_tier_reports_only_the_device():
     assert set(_tiered(device=2, host=0).cached_blocks()) == {"device"}
+
+
+# --- sampling controls, logprobs, structured outputs -----------------------------------------
+
+
+def with_sampling(spec: RequestSpec, **changes) -> RequestSpec:
+    return msgspec.structs.replace(spec, sampling=msgspec.structs.replace(spec.sampling, **changes))
+
+
+async def decode_all(eng: SimEngine, task: DecodeTask) -> list[StepOutput]:
+    eng.add(task)
+    outputs: list[StepOutput] = []
+    while eng.running:
+        outputs += await eng.step()
+    return outputs
+
+
+EOS = 4095
+
+
+@pytest.mark.anyio
+async def test_eos_ends_early_unless_ignored_and_never_before_min_tokens(sleeps) -> None:
+    eng = engine(token_low=256, token_high=300, eos_token_id=EOS, eos_per_token=0.3)
+    spec = make_spec(max_tokens=40, seed=3)
+    natural = await decode_all(eng, decode_task(spec))
+    assert natural[-1].token == EOS and natural[-1].finished == "stop" and len(natural) < 39
+    ignored = await decode_all(eng, decode_task(with_sampling(spec, ignore_eos=True)))
+    assert len(ignored) == 39 and ignored[-1].finished == "length" and EOS not in [o.token for o in ignored]
+    held = await decode_all(eng, decode_task(with_sampling(spec, min_tokens=30)))
+    assert all(o.token != EOS for o in held if o.position < 30)
+
+
+@pytest.mark.anyio
+async def test_a_stop_token_ends_the_output_after_min_tokens(sleeps) -> None:
+    eng = engine(token_low=256, token_high=300)
+    stops = list(range(256, 300, 2))
+    spec = with_sampling(make_spec(max_tokens=40, seed=5), stop_token_ids=stops, min_tokens=6)
+    outputs = await decode_all(eng, decode_task(spec))
+    assert outputs[-1].token in stops and outputs[-1].finished == "stop"
+    assert all(o.token not in stops for o in outputs[:-1])
+    assert outputs[-1].position >= 6
+
+
+@pytest.mark.anyio
+async def test_logprobs_come_with_every_token_when_asked(sleeps) -> None:
+    eng = engine()
+    spec = with_sampling(make_spec(max_tokens=5), logprobs=3)
+    (result,) = await eng.prefill([prefill_task(spec)])
+    assert result.logprobs is not None and result.logprobs.top_ids[0] == result.first_token
+    outputs = await decode_all(eng, decode_task(spec, result.first_token))
+    for out in outputs:
+        assert out.logprobs is not None and len(out.logprobs.top_ids) == 3
+        assert out.logprobs.top_ids[0] == out.token and out.logprobs.logprob <= -1
+    (plain,) = await eng.prefill([prefill_task(make_spec())])
+    assert plain.logprobs is None
+
+
+@pytest.mark.anyio
+async def test_a_structured_output_is_sampled_whole_by_decode_and_is_an_instance(sleeps) -> None:
+    from tokenizers import Tokenizer
+
+    from tests.support.stack import SIM
+
+    eng = SimEngine(SIM, worker_id="sim-1")
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    spec = with_sampling(make_spec(max_tokens=100), structured=StructuredOutput(json_schema=schema))
+    assert spec.sampling.decode_samples_first
+    outputs = await decode_all(eng, decode_task(spec, first_token=-1))
+    assert outputs[0].position == 0  # token 0 is decode's own
+    assert outputs[-1].finished == "stop" and outputs[-1].token == SIM.eos_token_id
+    text = Tokenizer.from_file(SIM.tokenizer_path).decode([o.token for o in outputs[:-1]])
+    assert isinstance(json.loads(text)["n"], int)
+    grammar = with_sampling(make_spec(), structured=StructuredOutput(grammar="root ::= 'a'"))
+    assert [o.finished for o in await decode_all(eng, decode_task(grammar, -1))] == ["abort"]
