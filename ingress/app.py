@@ -51,14 +51,17 @@ from switchyard.ingress.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
+    chat_tools,
     check_sampling,
     decode_body,
     stop_strings,
 )
 from switchyard.ingress.openapi import openapi_document
+from switchyard.ingress.sampling import sampling_params
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.text import TextAssembler
 from switchyard.ingress.tokenizer import ModelTokenizer, TokenizerError
+from switchyard.ingress.tool_calls import ToolPlan
 from switchyard.kvbus import KeyScheme
 from switchyard.observability import CONTENT_TYPE, BusStats, ServingMetrics, tracing
 from switchyard.schemas import (
@@ -149,10 +152,12 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response | Generation:
         body = await self._decode(await self._read_body(request), ChatCompletionRequest)
         self._check_common(body)
+        tools = ToolPlan.of(body, self.config.tool_call_parser)
         prompt = await self._chat_prompt(body)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await self._generate(request, "chat", body, prompt, self._max_tokens(len(prompt), requested, param))
+        max_tokens = self._max_tokens(len(prompt), requested, param)
+        return await self._generate(request, "chat", body, prompt, max_tokens, tools)
 
     async def completions(self, request: Request) -> Response | Generation:
         body = await self._decode(await self._read_body(request), CompletionRequest)
@@ -191,7 +196,8 @@ class Ingress:
         if body.prompt is not None:
             tokens = await self._off_loop(self._encode, body.prompt)
         else:
-            tokens = await self._chat_prompt(ChatCompletionRequest(model=self.model, messages=body.messages or []))
+            chat = ChatCompletionRequest(model=self.model, messages=body.messages or [], tools=body.tools)
+            tokens = await self._chat_prompt(chat)
         return JSONResponse({"count": len(tokens), "max_model_len": self.tokenizer.info.max_context, "tokens": tokens})
 
     async def detokenize(self, request: Request) -> Response:
@@ -304,9 +310,10 @@ class Ingress:
         return await self._off_loop(self._encode, prompt[0])
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The messages through the model's chat template, tokenized (in the pool)."""
+        """The messages (and tools) through the model's chat template, tokenized (in the pool)."""
+        messages, tools = chat_messages(body), chat_tools(body)
         try:
-            return await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(chat_messages(body))))
+            return await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(messages, tools)))
         except TokenizerError as exc:  # the template refused these messages (raise_exception)
             raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
 
@@ -347,16 +354,18 @@ class Ingress:
     # --- generation ----------------------------------------------------------------------------
 
     async def _generate(
-        self, request: Request, kind: Kind, body: Any, prompt: list[int], max_tokens: int
+        self, request: Request, kind: Kind, body: Any, prompt: list[int], max_tokens: int, tools: ToolPlan | None = None
     ) -> Response | Generation:
         self._check_streams()
+        sampling = sampling_params(
+            body, max_tokens, self.tokenizer.info.vocab_size, tools.constraint() if tools is not None else None
+        )
         caller = caller_of(request)  # the tenant is its key's, never a client's say (ingress.auth)
         ticket = caller.admit(len(prompt) + max_tokens)  # 429 past its key's limits
         spec = self._spec(
             kind,
-            body,
+            sampling,
             prompt,
-            max_tokens,
             caller.tenant,
             _session(request.headers.get(SESSION_HEADER)),
             _priority(request.headers.get(PRIORITY_HEADER)),
@@ -380,7 +389,9 @@ class Ingress:
                 stream=body.stream,
                 include_usage=include_usage,
                 continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
-                assembler=TextAssembler(self.tokenizer.decode_stream(), stops),
+                assembler=self._assembler(sampling, stops, tools, body.include_stop_str_in_output),
+                tools=tools,
+                token_text=self.tokenizer.token_text if sampling.logprobs is not None else None,
                 inbox=inbox,
                 span=span,
                 arrived=time.monotonic(),
@@ -405,24 +416,30 @@ class Ingress:
         span.set_attribute("switchyard.outcome", outcome)
         span.end()
 
+    def _assembler(
+        self, sampling: SamplingParams, stops: list[str], tools: ToolPlan | None, include_stop: bool
+    ) -> TextAssembler:
+        """Text as the client gets it. EOS and the stop tokens end the output without text of
+        their own; special tokens are kept when the tool-call parser reads some as markers."""
+        keep_special = tools is not None and tools.keeps_special_tokens
+        return TextAssembler(
+            self.tokenizer.decode_stream(skip_special_tokens=not keep_special),
+            stops,
+            stop_token_ids=frozenset([*sampling.stop_token_ids, self.tokenizer.info.eos_token_id]),
+            include_stop=include_stop,
+        )
+
     def _spec(
         self,
         kind: Kind,
-        body,
+        sampling: SamplingParams,
         prompt: list[int],
-        max_tokens: int,
         tenant: str,
         session: str | None,
         priority: int,
         deadline_s: float | None,
     ) -> RequestSpec:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed,
-        )
         keys = self.key_scheme.keys(prompt, self.config.block_size, tenant, self.model)
         return RequestSpec(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
@@ -473,7 +490,11 @@ def continuation_spec(spec: RequestSpec, output: list[int], *, key_scheme: KeySc
         spec,
         prompt_tokens=prompt,
         block_keys=cast("list[int]", keys),
-        sampling=msgspec.structs.replace(spec.sampling, max_tokens=spec.sampling.max_tokens - len(output)),
+        sampling=msgspec.structs.replace(
+            spec.sampling,
+            max_tokens=spec.sampling.max_tokens - len(output),
+            min_tokens=max(0, spec.sampling.min_tokens - len(output)),
+        ),
         deadline_s=None,
         resume_from=len(output),
     )

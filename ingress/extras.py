@@ -19,7 +19,7 @@ import uuid
 import msgspec
 from starlette.datastructures import Headers, MutableHeaders
 
-from switchyard.ingress.openai_types import ChatMessage
+from switchyard.ingress.openai_types import ChatMessage, Tool
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
@@ -29,6 +29,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered by the chat template with the messages
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):

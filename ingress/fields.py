@@ -87,10 +87,9 @@ def _no_effect(reason: str, endpoints: frozenset[Endpoint] = BOTH) -> Field:
     return Field("no_effect", endpoints, reason)
 
 
-_TOOLS = "tool calling is not supported yet"
-_STRUCTURED = "structured outputs are not supported yet"
-_LOGPROBS = "logprobs are not supported yet"
-_SAMPLING = "only temperature, top_p, seed, stop and max_tokens are applied"
+_FUNCTIONS = "the deprecated functions API is not supported; use tools"
+_LOGPROBS = "prompt logprobs are not supported"
+_SAMPLING = "this sampling control is not supported"
 _MULTIMODAL = "only text content is supported"
 _TEMPLATE = "the model's own chat template is applied as is"
 _RESPONSE = "the response carries only the standard OpenAI fields"
@@ -106,23 +105,22 @@ FIELDS: dict[str, Field] = {
     "top_p": _supported(),
     "seed": _supported(),
     "n": _refused("only n=1 is supported", _number(1)),
-    "frequency_penalty": _refused(_SAMPLING, _number(0)),
-    "presence_penalty": _refused(_SAMPLING, _number(0)),
-    "logit_bias": _refused(_SAMPLING, _empty),
+    "frequency_penalty": _supported(),
+    "presence_penalty": _supported(),
+    "logit_bias": _supported(),
     # chat: a boolean; completions: how many alternatives (0 still returns the chosen token's).
-    "logprobs": _refused(_LOGPROBS, _flag(False)),
+    "logprobs": _supported(),
     "user": _no_effect("an end-user id for the caller's own records"),
     # --- OpenAI, chat ---------------------------------------------------------------------------
     "messages": _supported(CHAT),
     "max_completion_tokens": _supported(CHAT),
-    "top_logprobs": _refused(_LOGPROBS, _number(0), CHAT),
-    "tools": _refused(_TOOLS, _empty, CHAT),
-    # "auto" with no tools can only answer in text; "required" or a named tool cannot.
-    "tool_choice": _refused(_TOOLS, _one_of("none", "auto"), CHAT),
-    "functions": _refused(_TOOLS, _empty, CHAT),
-    "function_call": _refused(_TOOLS, _one_of("none", "auto"), CHAT),
-    "parallel_tool_calls": _no_effect("it only matters with tools, which are refused", CHAT),
-    "response_format": _refused(_STRUCTURED, _one_of({"type": "text"})),
+    "top_logprobs": _supported(CHAT),
+    "tools": _supported(CHAT),
+    "tool_choice": _supported(CHAT),
+    "functions": _refused(_FUNCTIONS, _empty, CHAT),
+    "function_call": _refused(_FUNCTIONS, _one_of("none", "auto"), CHAT),
+    "parallel_tool_calls": _supported(CHAT),
+    "response_format": _supported(),
     "modalities": _refused("only text output is supported", _one_of(["text"]), CHAT),
     "audio": _refused("audio output is not supported", endpoints=CHAT),
     "prediction": _no_effect("a predicted output only speeds up generation; it never changes it", CHAT),
@@ -143,17 +141,17 @@ FIELDS: dict[str, Field] = {
     "best_of": _refused("only one candidate is generated", _number(1), COMPLETION),
     "suffix": _refused("insertion (suffix) is not supported", _one_of(""), COMPLETION),
     # --- vLLM extensions: sampling --------------------------------------------------------------
-    "top_k": _refused(_SAMPLING, _number(-1, 0)),  # vLLM: 0 or -1 means every token
-    "min_p": _refused(_SAMPLING, _number(0)),
-    "repetition_penalty": _refused(_SAMPLING, _number(1)),
+    "top_k": _supported(),  # vLLM: 0 or -1 means every token
+    "min_p": _supported(),
+    "repetition_penalty": _supported(),
     "length_penalty": _refused("beam search is not supported", _number(1)),
     "use_beam_search": _refused("beam search is not supported", _flag(False)),
-    "min_tokens": _refused(_SAMPLING, _number(0)),
-    "ignore_eos": _refused(_SAMPLING, _flag(False)),
-    "stop_token_ids": _refused(_SAMPLING, _empty),
+    "min_tokens": _supported(),
+    "ignore_eos": _supported(),
+    "stop_token_ids": _supported(),
     "bad_words": _refused(_SAMPLING, _empty),
     "allowed_token_ids": _refused(_SAMPLING),
-    "include_stop_str_in_output": _refused("stop strings are always cut from the text", _flag(False)),
+    "include_stop_str_in_output": _supported(),
     "skip_special_tokens": _refused("special tokens are always skipped", _flag(True)),
     "spaces_between_special_tokens": _refused("special tokens are always skipped", _flag(True)),
     "watermarking": _refused("watermarking is not supported"),
@@ -161,13 +159,13 @@ FIELDS: dict[str, Field] = {
     "thinking_token_budget": _refused(_TEMPLATE),
     "include_reasoning": _refused("reasoning is not parsed out of the text", _flag(True), CHAT),
     # --- vLLM extensions: structured outputs ----------------------------------------------------
-    "structured_outputs": _refused(_STRUCTURED),
-    "guided_json": _refused(_STRUCTURED),
-    "guided_regex": _refused(_STRUCTURED),
-    "guided_choice": _refused(_STRUCTURED),
-    "guided_grammar": _refused(_STRUCTURED),
-    "guided_decoding_backend": _refused(_STRUCTURED),
-    "guided_whitespace_pattern": _refused(_STRUCTURED),
+    "structured_outputs": _supported(),
+    "guided_json": _supported(),
+    "guided_regex": _supported(),
+    "guided_choice": _supported(),
+    "guided_grammar": _supported(),
+    "guided_decoding_backend": _no_effect("the engine's structured-output backend is its own to choose"),
+    "guided_whitespace_pattern": _refused("whitespace in structured outputs is the backend's default"),
     # --- vLLM extensions: logprobs and extra response fields ------------------------------------
     "prompt_logprobs": _refused(_LOGPROBS),
     "logprob_token_ids": _refused(_LOGPROBS, _empty),

@@ -37,10 +37,13 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from switchyard.ingress.errors import ApiError, Unavailable, generation_error, internal_error
+from switchyard.ingress.logprobs import TokenText, chat_logprobs, completion_logprobs
 from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from switchyard.ingress.text import TextAssembler
+from switchyard.ingress.tool_calls import ToolPlan
+from switchyard.ingress.tool_parsers import Event, ToolCallDelta, collect
 from switchyard.observability import ServingMetrics
-from switchyard.schemas import Cancel, RequestSpec, StreamError, codec, subjects
+from switchyard.schemas import Cancel, RequestSpec, StreamError, TokenLogprobs, codec, subjects
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,11 @@ class Generation:
     recomputed_tokens: int = 0  # prefilled again by migrations, their cached prefix excluded
     _resumed_at: int | None = None  # the output position a migration's first token will have
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    tools: ToolPlan | None = None  # a chat request's tools: its text may hold calls
+    token_text: TokenText | None = None  # set when the request asked for logprobs
+    _logprobs_sent: int = 0  # entries of ``sequencer.logprobs`` delivered
+    _text_offset: int = 0  # completions' text_offset: the characters of tokens delivered
+    _called: bool = False  # a tool call was sent
 
     # --- ASGI -------------------------------------------------------------------------
 
@@ -140,8 +148,9 @@ class Generation:
 
     # --- the token loop ------------------------------------------------------------------
 
-    async def _generate(self, on_text: Callable[[str], Awaitable[None]]) -> None:
-        """Until the request ends: deltas of text to ``on_text``; raises StreamFailed."""
+    async def _generate(self, on_delta: Callable[[str, dict | None], Awaitable[None]]) -> None:
+        """Until the request ends: deltas of text, with their tokens' logprobs when asked
+        for (in the endpoint's shape), to ``on_delta``; raises StreamFailed."""
         while not (self.sequencer.finished or self.assembler.stopped):
             try:
                 tokens = await self._next_tokens()
@@ -149,12 +158,28 @@ class Generation:
                 await self._migrate(failed)  # or raises
                 continue
             self.output += tokens
+            before = self.assembler.tokens
             text = self.assembler.push(tokens)
-            if text:
-                await on_text(text)
+            logprobs = self._logprobs(tokens[: self.assembler.tokens - before])
+            if text or logprobs:
+                await on_delta(text, logprobs)
         tail = self.assembler.finish()
         if tail:
-            await on_text(tail)
+            await on_delta(tail, None)
+
+    def _logprobs(self, tokens: list[int]) -> dict | None:
+        """The logprobs of ``tokens``, the next ones delivered, if the request asked."""
+        if self.token_text is None or not tokens:
+            return None
+        start = self._logprobs_sent
+        entries: list[TokenLogprobs] = self.sequencer.logprobs[start : start + len(tokens)]
+        tokens = tokens[: len(entries)]
+        self._logprobs_sent += len(entries)
+        if self.kind == "chat":
+            return chat_logprobs(tokens, entries, self.token_text)
+        rendered = completion_logprobs(tokens, entries, self.token_text, self._text_offset)
+        self._text_offset += sum(len(piece) for piece in rendered["tokens"])
+        return rendered
 
     async def _next_tokens(self) -> list[int]:
         """Tokens that have arrived, coalesced into one delta: under load the client gets
@@ -187,6 +212,10 @@ class Generation:
         error, delivered = failed.error, len(self.output)
         if error.code not in _MIGRATABLE:
             raise failed  # the request itself failed: final
+        if delivered and self.spec.sampling.structured is not None:
+            # A grammar cannot be resumed mid-output by another engine (its state is the engine's).
+            self.ctx.metrics.migrations.labels(outcome="exhausted").inc()
+            raise failed
         assert delivered == self.sequencer.next_seq  # every token taken was delivered
         migrations = self.ctx.metrics.migrations
         if self.migrations >= self.ctx.max_migrations or delivered >= self.spec.sampling.max_tokens:
@@ -225,36 +254,48 @@ class Generation:
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.assembler.stopped else (self.sequencer.finish_reason or "length")
+        reason = "stop" if self.assembler.stopped else (self.sequencer.finish_reason or "length")
+        return "tool_calls" if self._called and reason == "stop" else reason
 
     # --- non-streaming ------------------------------------------------------------------
 
     async def _send_body(self, send) -> None:
         parts: list[str] = []
+        logprobs: list[dict] = []
 
-        async def collect(text: str) -> None:
+        async def gather(text: str, lps: dict | None) -> None:
             parts.append(text)
+            if lps is not None:
+                logprobs.append(lps)
 
         try:
-            await self._generate(collect)
+            await self._generate(gather)
         except StreamFailed as exc:
             self.outcome = "error"
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
             await _send_json(send, generation_error(exc.error.code, exc.error.message))
             return
         self.outcome = "ok"
-        await _send_json(send, None, self._body("".join(parts)))
+        await _send_json(
+            send, None, self._body("".join(parts), _joined(logprobs, self.kind) if self.token_text else None)
+        )
 
-    def _body(self, text: str) -> dict:
+    def _body(self, text: str, logprobs: dict | None) -> dict:
         if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": self.finish_reason,
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                reader = self.tools.stream()
+                parsed = collect([*reader.push(text), *reader.finish()])
+                message["content"] = parsed.content
+                if parsed.tool_calls:
+                    self._called = True
+                    message["tool_calls"] = [
+                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in parsed.tool_calls
+                    ]
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
         return {
             "id": self.spec.request_id,
             "object": _OBJECT[self.kind],
@@ -273,16 +314,20 @@ class Generation:
             await self._event(send, self._chunk({"role": "assistant", "content": ""}, None))
 
         frames = _DeltaFrames(self._chunk({"content": ""} if self.kind == "chat" else "", None))
+        reader = self.tools.stream() if self.tools is not None else None
+        plain = reader is None and self.token_text is None and not self.continuous_usage
 
-        async def emit(text: str) -> None:
-            if self.continuous_usage:  # the usage so far in every chunk: no pre-encoded frame
-                chunk = self._chunk({"content": text} if self.kind == "chat" else text, None)
-                await self._event(send, chunk | {"usage": self.usage()})
+        async def emit(text: str, logprobs: dict | None) -> None:
+            if plain:  # the hot path: a pre-encoded frame around the text
+                await send({"type": "http.response.body", "body": frames.delta(text), "more_body": True})
                 return
-            await send({"type": "http.response.body", "body": frames.delta(text), "more_body": True})
+            events: list[Event] = reader.push(text) if reader is not None else ([text] if text else [])
+            await self._send_events(send, events, logprobs)
 
         try:
             await self._generate(emit)
+            if reader is not None:
+                await self._send_events(send, reader.finish(), None)
         except StreamFailed as exc:
             self.outcome = "error"
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
@@ -297,6 +342,30 @@ class Generation:
             ending.append(self._usage_chunk())
         body = b"".join(_sse(event) for event in ending) + b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _send_events(self, send, events: list[Event], logprobs: dict | None) -> None:
+        """Content and tool-call deltas, one chunk each (consecutive text joined); the
+        logprobs ride on the first, or on an empty delta of their own."""
+        deltas: list[dict | str] = []
+        for event in events:
+            if isinstance(event, ToolCallDelta):
+                self._called = True
+                deltas.append({"tool_calls": [_call_delta(event)]})
+            elif self.kind != "chat":
+                deltas.append(event)
+            elif deltas and isinstance(deltas[-1], dict) and "content" in deltas[-1]:
+                deltas[-1]["content"] += event
+            else:
+                deltas.append({"content": event})
+        if not deltas and logprobs is not None:
+            deltas.append({"content": ""} if self.kind == "chat" else "")
+        for i, delta in enumerate(deltas):
+            chunk = self._chunk(delta, None)
+            if i == 0 and logprobs is not None:
+                chunk["choices"][0]["logprobs"] = logprobs
+            if self.continuous_usage:
+                chunk["usage"] = self.usage()
+            await self._event(send, chunk)
 
     async def _event(self, send, payload: dict) -> None:
         await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
@@ -373,6 +442,29 @@ class Generation:
             last = self.inbox.progress_at
             if self.assembler.tokens > 1 and last is not None:
                 m.tpot.observe((last - self.first_token_at) / (self.assembler.tokens - 1))
+
+
+def _call_delta(delta: ToolCallDelta) -> dict:
+    """OpenAI's ``delta.tool_calls[i]``: id, type and name on a call's first delta only."""
+    function: dict[str, str] = {"arguments": delta.arguments}
+    out: dict[str, Any] = {"index": delta.index, "function": function}
+    if delta.id is not None:
+        out["id"] = delta.id
+        out["type"] = "function"
+    if delta.name is not None:
+        function["name"] = delta.name
+    return out
+
+
+def _joined(parts: list[dict], kind: Kind) -> dict:
+    """The logprobs of a whole output from those of its deltas."""
+    if not parts:
+        return chat_logprobs([], [], str) if kind == "chat" else completion_logprobs([], [], str)
+    joined: dict[str, list] = {key: [] for key in parts[0]}
+    for part in parts:
+        for key, values in part.items():
+            joined[key] += values
+    return joined
 
 
 def _sse(payload: dict) -> bytes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from array import array
 from itertools import accumulate
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -33,6 +33,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TokenCount = Annotated[int, msgspec.Meta(ge=1)]  # the context bounds it from above (ingress.app)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # msgpack's integers: int64 and uint64
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,10 +46,70 @@ class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(msgspec.Struct, frozen=True, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's ``structured_outputs`` extension: one of these."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,16 +123,39 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     top_p: TopP | None = None
     seed: int | None = None
     user: str | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions
+    top_k: int | None = None  # -1 or 0: every token
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: TokenCount | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     prompt: str | list[str | int]  # text, one text in a list, or token ids
     echo: bool = False  # likewise: ingress.fields refuses true
+    logprobs: TopLogprobs | None = None  # the sampled token's, and this many alternatives
 
 
 _ENDPOINTS: dict[type, Endpoint] = {ChatCompletionRequest: "chat", CompletionRequest: "completion"}
@@ -124,8 +208,10 @@ def _param_of(message: str) -> str | None:
     return path
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages with their content flattened to text; non-text parts are refused."""
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as chat templates read them (transformers' and vLLM's convention): content
+    flattened to text (non-text parts are refused), an assistant's ``tool_calls`` with their
+    arguments as objects, a tool message's ``tool_call_id``, and ``name``."""
     if not request.messages:
         raise InvalidRequest("`messages` must hold at least one message.", param="messages")
     out = []
@@ -134,10 +220,48 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
             raise InvalidRequest(
                 f"Unknown role {message.role!r}; expected one of {', '.join(ROLES)}.", param=f"messages[{i}].role"
             )
-        out.append(
-            {"role": "system" if message.role == "developer" else message.role, "content": _text_of(message.content, i)}
-        )
+        rendered: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": _text_of(message.content, i),
+        }
+        if message.name is not None:
+            rendered["name"] = message.name
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise InvalidRequest("Only assistant messages carry `tool_calls`.", param=f"messages[{i}].tool_calls")
+            rendered["tool_calls"] = [_call_of(call, i, j) for j, call in enumerate(message.tool_calls)]
+        if message.role == "tool":
+            if message.tool_call_id is None:
+                raise InvalidRequest("A tool message needs its `tool_call_id`.", param=f"messages[{i}].tool_call_id")
+            rendered["tool_call_id"] = message.tool_call_id
+        out.append(rendered)
     return out
+
+
+def _call_of(call: ToolCall, index: int, j: int) -> dict[str, Any]:
+    try:
+        arguments = msgspec.json.decode(call.function.arguments) if call.function.arguments.strip() else {}
+    except msgspec.DecodeError:
+        raise InvalidRequest(
+            "A tool call's `arguments` must be JSON text.",
+            param=f"messages[{index}].tool_calls[{j}].function.arguments",
+        ) from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def chat_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools as the chat template reads them (None: no tools, or ``tool_choice: none``)."""
+    if not request.tools or request.tool_choice == "none":
+        return None
+    names = [tool.function.name for tool in request.tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("Each tool needs a name of its own.", param="tools")
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise InvalidRequest(
+            f"`tool_choice` names {choice.function.name!r}, which is not in `tools`.", param="tool_choice"
+        )
+    return [msgspec.to_builtins(tool) for tool in request.tools]
 
 
 def _text_of(content: str | list[ContentPart] | None, index: int) -> str:

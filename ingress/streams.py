@@ -46,7 +46,7 @@ import anyio
 
 from switchyard.ingress.errors import IngressError
 from switchyard.observability import BusStats, decoded
-from switchyard.schemas import PromptUsage, StreamChunk, StreamError, codec, subjects
+from switchyard.schemas import PromptUsage, StreamChunk, StreamError, TokenLogprobs, codec, subjects
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +278,8 @@ class TokenSequencer:
         self.usage: PromptUsage | None = None
         self.finish_reason: str | None = None
         self._held: dict[int, StreamChunk] = {}
+        # The logprobs of every token taken, in order, when the request asked for them.
+        self.logprobs: list[TokenLogprobs] = []
 
     @property
     def finished(self) -> bool:
@@ -309,6 +311,8 @@ class TokenSequencer:
 
     def _take(self, chunk: StreamChunk) -> list[int]:
         fresh = chunk.token_ids[self.next_seq - chunk.seq :]
+        if chunk.logprobs is not None:
+            self.logprobs += chunk.logprobs[self.next_seq - chunk.seq :]
         self.next_seq += len(fresh)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason

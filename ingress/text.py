@@ -11,9 +11,22 @@ from switchyard.ingress.tokenizer import IncrementalDecoder
 
 
 class TextAssembler:
-    def __init__(self, decoder: IncrementalDecoder, stops: list[str]) -> None:
+    """``stop_token_ids``: tokens that end the output (the engine stops at them); their own
+    text is not shown. ``include_stop``: a stop string or stop token stays in the text
+    (vLLM's ``include_stop_str_in_output``)."""
+
+    def __init__(
+        self,
+        decoder: IncrementalDecoder,
+        stops: list[str],
+        *,
+        stop_token_ids: frozenset[int] = frozenset(),
+        include_stop: bool = False,
+    ) -> None:
         self._decoder = decoder
         self._stops = stops
+        self._stop_ids = stop_token_ids
+        self._include = include_stop
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._pending = ""  # decoded, not yet released
         self.stopped = False
@@ -25,6 +38,8 @@ class TextAssembler:
             if self.stopped:
                 break
             self.tokens += 1
+            if token in self._stop_ids and not self._include:
+                continue  # the engine ends here; the token's text is not output
             self._pending += self._decoder.push(token)
             self._check_stop()
         return self._release(final=self.stopped)
@@ -37,9 +52,10 @@ class TextAssembler:
         return self._release(final=True)
 
     def _check_stop(self) -> None:
-        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops) if i >= 0]
         if hits:
-            self._pending = self._pending[: min(hits)]
+            at, length = min(hits)
+            self._pending = self._pending[: at + length if self._include else at]
             self.stopped = True
 
     def _release(self, final: bool) -> str:

@@ -58,7 +58,7 @@ DecodeStream: Any = _DecodeStream
 
 __all__ = ["IncrementalDecoder", "ModelInfo", "ModelTokenizer", "TokenizerError"]
 
-Message = dict[str, str]
+Message = dict[str, Any]
 _T = TypeVar("_T")
 
 # transformers writes int(1e30) when a tokenizer has no real limit; such a value says nothing.
@@ -292,9 +292,10 @@ class IncrementalDecoder:
     never sees a replacement character that the next token would have completed.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True) if DecodeStream else None
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if DecodeStream else None
         # Ids pushed since text was last returned: exactly what flush() still owes.
         self._pending: list[int] = []
 
@@ -324,7 +325,7 @@ class IncrementalDecoder:
         return "" if text.endswith(_REPLACEMENT_CHAR) else text
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
 
 class ModelTokenizer:
@@ -389,13 +390,14 @@ class ModelTokenizer:
         size = len(text) if text.isascii() else len(text.encode(errors="surrogatepass"))
         return -(-size // self.bytes_per_token)
 
-    def render_chat(self, messages: Sequence[Message]) -> str:
-        """The prompt text for `messages`, ending with the assistant's generation prompt."""
+    def render_chat(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for `messages` (and `tools`, OpenAI's shape, as transformers passes
+        them), ending with the assistant's generation prompt."""
         if self._chat_template is None:
             raise TokenizerError(f"model {self.info.name!r} has no chat template")
         try:
             return self._chat_template.render(
-                messages=list(messages), add_generation_prompt=True, **self._special_tokens
+                messages=list(messages), tools=tools, add_generation_prompt=True, **self._special_tokens
             )
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
@@ -406,8 +408,13 @@ class ModelTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def decode_stream(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self._tokenizer)
+    def decode_stream(self, *, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """``skip_special_tokens=False`` for a tool-call parser whose markers are special tokens."""
+        return IncrementalDecoder(self._tokenizer, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens spelled out (a logprob's ``token``)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def sample_token_ids(self) -> range:
         """Ids of the ordinary (non-special) tokens, for a simulated engine to draw from."""

@@ -12,6 +12,7 @@ is (``make run`` builds once, then reuses it); ``--force`` rebuilds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -35,10 +36,18 @@ class TinyModelSpec:
     vocab_size: int = 4096  # the sim-tiny tokenizer's, added tokens included
 
 
+def _stamp(spec: TinyModelSpec) -> dict:
+    """What a built model is: its parameters, and the tokenizer files it was given (a new chat
+    template means a rebuild)."""
+    files = (SIM_TOKENIZER_DIR / "tokenizer.json", SIM_TOKENIZER_DIR / "tokenizer_config.json")
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    return asdict(spec) | {"tokenizer": digest}
+
+
 def is_built(directory: Path, spec: TinyModelSpec = TinyModelSpec()) -> bool:
     stamp = directory / _STAMP
     try:
-        return json.loads(stamp.read_text()) == asdict(spec)
+        return json.loads(stamp.read_text()) == _stamp(spec)
     except (OSError, ValueError):
         return False
 
@@ -76,7 +85,7 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec = TinyModelSpec(), *, 
         tok_config = json.loads((SIM_TOKENIZER_DIR / "tokenizer_config.json").read_text())
         tok_config["model_max_length"] = spec.max_position_embeddings
         (staging / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-        (staging / _STAMP).write_text(json.dumps(asdict(spec)))
+        (staging / _STAMP).write_text(json.dumps(_stamp(spec)))
         staging.chmod(0o755)  # mkdtemp made it private
         if directory.exists():
             shutil.rmtree(directory)

@@ -38,15 +38,35 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 
-# ChatML, as Qwen ships it, minus tools. Written for trim_blocks/lstrip_blocks like HF renders.
+# ChatML with tools, in the shape Qwen 2.5 ships (Hermes tool calls): the tools in the system
+# turn, an assistant's calls as <tool_call> JSON, tool results as <tool_response> in a user turn.
+# A conversation without tools renders as plain ChatML. For trim_blocks/lstrip_blocks, as HF renders.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['content'] is not string %}"
-    "{{ raise_exception('message content must be a string') }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
+    "{%- endif %}{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}"
+    '{%- endfor %}{{- \'\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is not string %}{{- raise_exception('message content must be a string') }}"
+    "{%- endif %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}"
+    "{%- endif %}{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}{{- '<|im_start|>assistant\\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}"
+    "{%- endif %}{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
 )
 
 _WORDS = """

@@ -302,15 +302,57 @@ def test_chat_messages_flatten_text_parts() -> None:
             {"role": "developer", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]},
             {"role": "assistant", "content": None},
-            {"role": "tool", "content": "42"},
+            {"role": "tool", "content": "42", "tool_call_id": "call_1"},
         ]
     )
     assert chat_messages(request) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello, world"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
     ]
+
+
+def test_chat_messages_carry_tool_calls_with_their_arguments_as_objects() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    request = chat(
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "f"},
+        ]
+    )
+    rendered = chat_messages(request)
+    assert rendered[1]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}}
+    ]
+    assert rendered[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "f"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "tool", "content": "42"}], "messages[0].tool_call_id"),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": "x",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ],
+            "messages[0].tool_calls",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{oops"}}]}],
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+    ],
+)
+def test_malformed_tool_messages_are_a_400_naming_the_field(messages, param) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        chat_messages(chat(messages=messages))
+    assert caught.value.param == param
 
 
 @pytest.mark.parametrize(
