@@ -24,7 +24,7 @@ $(TINY_MODEL)/switchyard-tiny.json: | install
 # tiny model, KV handed over through a private Mooncake Store.
 run: install $(TINY_MODEL)/switchyard-tiny.json
 	$(VENV)/bin/switchyard up --engine vllm --model $(TINY_MODEL) --dtype float32 --enforce-eager \
-		--kv-cache-bytes 134217728 --max-model-len 32768
+		--kv-cache-bytes 134217728 --max-model-len 32768 --tool-call-parser hermes
 
 # ruff (lint and format) and mypy (strict on schemas, scheduler, kvbus, observability; the
 # rest checked) first: a new violation fails CI before the suite runs.

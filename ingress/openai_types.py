@@ -256,11 +256,6 @@ def chat_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     names = [tool.function.name for tool in request.tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("Each tool needs a name of its own.", param="tools")
-    choice = request.tool_choice
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise InvalidRequest(
-            f"`tool_choice` names {choice.function.name!r}, which is not in `tools`.", param="tool_choice"
-        )
     return [msgspec.to_builtins(tool) for tool in request.tools]
 
 

@@ -54,6 +54,10 @@ class ToolPlan:
         parameters = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in body.tools}
         choice = body.tool_choice
         if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in parameters:
+                raise InvalidRequest(
+                    f"`tool_choice` names {choice.function.name!r}, which is not in `tools`.", param="tool_choice"
+                )
             return cls("named", parameters, name=choice.function.name)
         if choice == "required":
             return cls("required", parameters, parallel=body.parallel_tool_calls)

@@ -18,9 +18,11 @@ boot here. What the tests prove, from the engines' own counters rather than timi
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.support.stack import wait_until
@@ -50,6 +52,65 @@ def stack(module_nats, tmp_path_factory) -> UpStack:
 
 def test_greedy_output_through_prefill_and_decode_is_one_engines_output(references, client, bus, tokenizer):
     assert_greedy_matches_reference(client, bus, tokenizer, references)
+
+
+def test_logprobs_through_prefill_and_decode_are_one_engines(references, client):
+    """The KV handed over is right, not only the greedy argmax: every token's logprob (token 0
+    from the prefill engine, the rest from the decode engine on the loaded KV) is what one
+    engine alone computes."""
+    for prompt, expected in zip(references["prompts"], references["outputs"], strict=True):
+        response = client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2
+        )
+        got = response.choices[0].logprobs.token_logprobs
+        assert got == pytest.approx(expected["logprobs"], abs=2e-3), f"prompt of {len(prompt)} tokens"
+        assert all(len(top) >= 2 for top in response.choices[0].logprobs.top_logprobs)
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "track": {"type": "integer", "enum": [1, 2, 9]},
+        "open": {"type": "boolean"},
+    },
+    "required": ["unit", "track", "open"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_structured_outputs_hold_across_prefill_and_decode(client, bus, stream):
+    """A random model under the engine's grammar still writes valid JSON: the grammar holds
+    from token 0 (sampled on the decode engine, docs/architecture.md) to the end; the decode
+    engine loaded the prompt's KV from the prefill."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    named = {"type": "function", "function": {"name": "set_track"}}
+    tools = [{"type": "function", "function": {"name": "set_track", "parameters": ANSWER}}]
+    messages = [{"role": "user", "content": "Which track, and is it open? " * 6}]
+    for seed in range(3):
+        for extra in ({"response_format": fmt}, {"tools": tools, "tool_choice": named}):
+            kwargs = {"model": "tiny-llama", "messages": messages, "max_tokens": 200, "seed": seed, **extra}
+            if stream:
+                chunks = list(client.chat.completions.create(**kwargs, stream=True))
+                rid = chunks[0].id
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                arguments = "".join(
+                    call.function.arguments or ""
+                    for c in chunks
+                    if c.choices and c.choices[0].delta.tool_calls
+                    for call in c.choices[0].delta.tool_calls
+                )
+            else:
+                reply = client.chat.completions.create(**kwargs)
+                rid, message = reply.id, reply.choices[0].message
+                text = message.content or ""
+                arguments = message.tool_calls[0].function.arguments if message.tool_calls else ""
+            value = json.loads(arguments if "tools" in extra else text)
+            jsonschema.validate(value, ANSWER)
+            assert wait_until(lambda r=rid: r in bus.finished(), 5)
+            finished = bus.finished()[rid]
+            assert finished.kv_loaded_tokens == finished.kv_expected_tokens > 0  # handed over, not recomputed
 
 
 def test_shared_prefix_is_reported_cached_and_not_recomputed(client, bus, tokenizer):
