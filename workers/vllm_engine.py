@@ -648,13 +648,16 @@ def decode_transfer_args(handle: Any) -> dict[str, Any] | None:
 
 def _expected_loaded(task: DecodeTask, worker_id: str) -> int:
     """Prompt tokens whose KV the handle promises: its whole blocks. The engine computes
-    at least the token after them, so a block-aligned prompt still loads them all."""
+    at least the token after them, so a block-aligned prompt still loads them all when token
+    0 follows it; when this engine samples token 0 itself (``decode_samples_first``), it
+    computes the prompt's last token, and a block-aligned prompt's last block is not loaded."""
     handle = task.handle
     if not isinstance(handle, (MooncakeStoreKvHandle, LmcacheKvHandle, NixlKvHandle)):
         return 0
     if handle.worker_id == worker_id:
         return 0  # computed here (a local prefill): nothing was handed over
-    return handle.num_tokens // handle.block_size * handle.block_size
+    loadable = handle.num_tokens - 1 if task.spec.sampling.decode_samples_first else handle.num_tokens
+    return loadable // handle.block_size * handle.block_size
 
 
 def _accelerators() -> int:

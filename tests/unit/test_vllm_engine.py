@@ -214,3 +214,59 @@ async def test_a_failed_prefill_is_an_engine_error(fake_vllm, tmp_path):
     async with vllm.serving():
         with pytest.raises(EngineError, match="no token"):
             await vllm.prefill([PrefillTask(spec=make_spec("r1"), queued_s=0.0)])
+
+
+class RecordingLLM(FakeLLM):
+    def __init__(self, script) -> None:
+        super().__init__(script)
+        self.calls: list[tuple[dict, object]] = []
+
+    async def generate(self, prompt, params, request_id: str):
+        self.calls.append((prompt, params))
+        async for out in super().generate(prompt, params, request_id):
+            yield out
+
+
+async def test_a_constrained_request_is_decoded_whole_under_its_grammar(fake_vllm, tmp_path):
+    """Token 0 is the decode engine's (decode_samples_first): it is given the prompt alone,
+    every token to generate and the grammar; its first output is position 0."""
+    import msgspec
+
+    from switchyard.schemas import StructuredOutput
+
+    fake_vllm.llm = RecordingLLM(lambda rid: [output([5, 6], None), output([7], "stop")])
+    task = decode_task("r1", max_tokens=8)
+    structured = StructuredOutput(json_schema='{"type": "object"}')
+    spec = msgspec.structs.replace(
+        task.spec, sampling=msgspec.structs.replace(task.spec.sampling, structured=structured, min_tokens=2)
+    )
+    task = msgspec.structs.replace(task, spec=spec, first_token=-1)
+    vllm = engine(tmp_path)
+    async with vllm.serving():
+        vllm.add(task)
+        outputs = []
+        while vllm.running or not outputs:
+            outputs += await vllm.step()
+    ((prompt, params),) = fake_vllm.llm.calls
+    assert prompt["prompt_token_ids"] == spec.prompt_tokens  # no token 0 appended
+    assert params.max_tokens == 8 and params.min_tokens == 2
+    assert params.structured_outputs.json == '{"type": "object"}'
+    assert [(o.position, o.token) for o in outputs] == [(0, 5), (1, 6), (2, 7)]
+    assert outputs[-1].finished == "stop"
+
+
+def test_a_constrained_prefill_sends_the_usage_but_not_its_token():
+    import msgspec
+
+    from switchyard.schemas import StructuredOutput
+    from switchyard.workers.engine import PrefillResult
+
+    spec = make_spec("r1", max_tokens=1)
+    spec = msgspec.structs.replace(
+        spec, sampling=msgspec.structs.replace(spec.sampling, structured=StructuredOutput(json_object=True))
+    )
+    handle = MooncakeStoreKvHandle(worker_id="p", num_tokens=len(spec.prompt_tokens), block_size=16)
+    result = PrefillResult(request_id="r1", first_token=9, cached_tokens=16, handle=handle, prefill_s=0.1)
+    chunk, done = first_token("w-1", PrefillTask(spec=spec, queued_s=0.0), result)
+    assert chunk.token_ids == [] and chunk.finish_reason is None and chunk.usage.cached_tokens == 16
+    assert done.first_token == -1 and not done.finished  # decode samples token 0, even for max_tokens 1
