@@ -361,7 +361,7 @@ class Ingress:
             body, max_tokens, self.tokenizer.info.vocab_size, tools.constraint() if tools is not None else None
         )
         caller = caller_of(request)  # the tenant is its key's, never a client's say (ingress.auth)
-        ticket = caller.admit(len(prompt) + max_tokens)  # 429 past its key's limits
+        ticket = caller.admit(sampling.kv_tokens(len(prompt)))  # 429 past its key's limits
         spec = self._spec(
             kind,
             sampling,
@@ -390,13 +390,14 @@ class Ingress:
                 include_usage=include_usage,
                 continuous_usage=bool(include_usage and options and options.continuous_usage_stats),
                 assembler=self._assembler(sampling, stops, tools, body.include_stop_str_in_output),
+                more_assemblers=lambda: self._assembler(sampling, stops, tools, body.include_stop_str_in_output),
                 tools=tools,
                 token_text=self.tokenizer.token_text if sampling.logprobs is not None else None,
                 inbox=inbox,
                 span=span,
                 arrived=time.monotonic(),
             )
-            ticket.measure(lambda: len(prompt) + generation.assembler.tokens)  # refunds unused max_tokens
+            ticket.measure(lambda: len(prompt) + generation.completion_tokens)  # refunds unused max_tokens
         except BaseException as exc:  # the Generation owns the route and the span only once returned
             self._abandon(spec.request_id, span, exc)
             raise

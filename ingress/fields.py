@@ -104,7 +104,7 @@ FIELDS: dict[str, Field] = {
     "temperature": _supported(),
     "top_p": _supported(),
     "seed": _supported(),
-    "n": _refused("only n=1 is supported", _number(1)),
+    "n": _supported(),
     "frequency_penalty": _supported(),
     "presence_penalty": _supported(),
     "logit_bias": _supported(),

@@ -41,7 +41,7 @@ from switchyard.ingress.logprobs import TokenText, chat_logprobs, completion_log
 from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from switchyard.ingress.text import TextAssembler
 from switchyard.ingress.tool_calls import ToolPlan
-from switchyard.ingress.tool_parsers import Event, ToolCallDelta, collect
+from switchyard.ingress.tool_parsers import Event, StreamingParser, ToolCallDelta, collect
 from switchyard.observability import ServingMetrics
 from switchyard.schemas import Cancel, RequestSpec, StreamError, TokenLogprobs, codec, subjects
 
@@ -79,6 +79,31 @@ class GenerationContext:
 
 
 @dataclass
+class Choice:
+    """One of a request's ``n`` choices, as the ingress assembles it: its tokens in order, its
+    text, its tool calls and logprobs. Choice 0 is the request's own (``Generation.sequencer``,
+    ``assembler``, ``output``)."""
+
+    index: int
+    sequencer: TokenSequencer
+    assembler: TextAssembler
+    output: list[int] = field(default_factory=list)  # every token delivered, for a migration
+    reader: StreamingParser | None = None  # its tool calls, when the request has tools
+    logprobs_sent: int = 0  # entries of ``sequencer.logprobs`` delivered
+    text_offset: int = 0  # completions' text_offset: the characters of tokens delivered
+    called: bool = False  # a tool call was sent
+
+    @property
+    def done(self) -> bool:
+        return self.sequencer.finished or self.assembler.stopped
+
+    @property
+    def finish_reason(self) -> str:
+        reason = "stop" if self.assembler.stopped else (self.sequencer.finish_reason or "length")
+        return "tool_calls" if self.called and reason == "stop" else reason
+
+
+@dataclass
 class Generation:
     ctx: GenerationContext
     kind: Kind
@@ -103,9 +128,24 @@ class Generation:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     tools: ToolPlan | None = None  # a chat request's tools: its text may hold calls
     token_text: TokenText | None = None  # set when the request asked for logprobs
-    _logprobs_sent: int = 0  # entries of ``sequencer.logprobs`` delivered
-    _text_offset: int = 0  # completions' text_offset: the characters of tokens delivered
-    _called: bool = False  # a tool call was sent
+    # The assembler of each further choice (``SamplingParams.n`` > 1).
+    more_assemblers: Callable[[], TextAssembler] | None = None
+    choices: list[Choice] = field(init=False)
+
+    def __post_init__(self) -> None:
+        first = Choice(0, self.sequencer, self.assembler, self.output)
+        more = [
+            Choice(i, TokenSequencer(), self.more_assemblers())
+            for i in range(1, self.spec.sampling.n)
+            if self.more_assemblers is not None
+        ]
+        self.choices = [first, *more]
+        for choice in self.choices:
+            choice.reader = self.tools.stream() if self.tools is not None else None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(choice.assembler.tokens for choice in self.choices)
 
     # --- ASGI -------------------------------------------------------------------------
 
@@ -148,72 +188,83 @@ class Generation:
 
     # --- the token loop ------------------------------------------------------------------
 
-    async def _generate(self, on_delta: Callable[[str, dict | None], Awaitable[None]]) -> None:
-        """Until the request ends: deltas of text, with their tokens' logprobs when asked
-        for (in the endpoint's shape), to ``on_delta``; raises StreamFailed."""
-        while not (self.sequencer.finished or self.assembler.stopped):
+    async def _generate(self, on_delta: Callable[[Choice, str, dict | None], Awaitable[None]]) -> None:
+        """Until every choice ends: each choice's deltas of text, with their tokens' logprobs
+        when asked for (in the endpoint's shape), to ``on_delta``; raises StreamFailed."""
+        while not all(choice.done for choice in self.choices):
             try:
-                tokens = await self._next_tokens()
+                arrived = await self._next_tokens()
             except StreamFailed as failed:
                 await self._migrate(failed)  # or raises
                 continue
-            self.output += tokens
-            before = self.assembler.tokens
-            text = self.assembler.push(tokens)
-            logprobs = self._logprobs(tokens[: self.assembler.tokens - before])
-            if text or logprobs:
-                await on_delta(text, logprobs)
-        tail = self.assembler.finish()
-        if tail:
-            await on_delta(tail, None)
+            for choice, tokens in arrived:
+                choice.output += tokens
+                before = choice.assembler.tokens
+                text = choice.assembler.push(tokens)
+                logprobs = self._logprobs(choice, tokens[: choice.assembler.tokens - before])
+                if text or logprobs:
+                    await on_delta(choice, text, logprobs)
+        for choice in self.choices:
+            tail = choice.assembler.finish()
+            if tail:
+                await on_delta(choice, tail, None)
 
-    def _logprobs(self, tokens: list[int]) -> dict | None:
-        """The logprobs of ``tokens``, the next ones delivered, if the request asked."""
+    def _logprobs(self, choice: Choice, tokens: list[int]) -> dict | None:
+        """The logprobs of ``tokens``, the next ones ``choice`` delivered, if the request asked."""
         if self.token_text is None or not tokens:
             return None
-        start = self._logprobs_sent
-        entries: list[TokenLogprobs] = self.sequencer.logprobs[start : start + len(tokens)]
+        start = choice.logprobs_sent
+        entries: list[TokenLogprobs] = choice.sequencer.logprobs[start : start + len(tokens)]
         tokens = tokens[: len(entries)]
-        self._logprobs_sent += len(entries)
+        choice.logprobs_sent += len(entries)
         if self.kind == "chat":
             return chat_logprobs(tokens, entries, self.token_text)
-        rendered = completion_logprobs(tokens, entries, self.token_text, self._text_offset)
-        self._text_offset += sum(len(piece) for piece in rendered["tokens"])
+        rendered = completion_logprobs(tokens, entries, self.token_text, choice.text_offset)
+        choice.text_offset += sum(len(piece) for piece in rendered["tokens"])
         return rendered
 
-    async def _next_tokens(self) -> list[int]:
-        """Tokens that have arrived, coalesced into one delta: under load the client gets
-        fewer, larger events instead of falling behind. Waits only when nothing is there
+    async def _next_tokens(self) -> list[tuple[Choice, list[int]]]:
+        """Tokens that have arrived, coalesced into one delta per choice: under load the client
+        gets fewer, larger events instead of falling behind. Waits only when nothing is there
         (the router's watchdog fails a stream that stays silent)."""
         if not self.inbox.chunks:
             await self.inbox.wait()
-        tokens: list[int] = []
+        arrived: dict[int, list[int]] = {}
         chunks = self.inbox.chunks
-        while chunks and not self.sequencer.finished:
+        while chunks:
             chunk = chunks.popleft()
+            if not 0 <= chunk.index < len(self.choices):
+                log.warning("%s: a chunk for choice %d, of %d", self.spec.request_id, chunk.index, len(self.choices))
+                continue
+            choice = self.choices[chunk.index]
+            if choice.sequencer.finished:
+                continue
             try:
-                tokens += self.sequencer.feed(chunk)
+                tokens = choice.sequencer.feed(chunk)
             except StreamFailed:
-                if not tokens:
+                if not arrived:
                     raise
                 chunks.appendleft(chunk)  # what arrived before the failure is delivered first
                 break
+            if tokens:
+                arrived.setdefault(chunk.index, []).extend(tokens)
             if chunk.usage is not None and chunk.seq == self._resumed_at:
                 self._resumed_at = None
                 self.recomputed_tokens += chunk.usage.prompt_tokens - chunk.usage.cached_tokens
-        if tokens:
+        if arrived:
             now = time.monotonic()
             self.first_token_at = self.first_token_at or now
             self.inbox.progress_at = now  # the last token's time, for TPOT and the stall watch
-        return tokens
+        return [(self.choices[index], tokens) for index, tokens in arrived.items()]
 
     async def _migrate(self, failed: StreamFailed) -> None:
         """Continue on another worker after the tokens delivered, or raise ``failed``."""
         error, delivered = failed.error, len(self.output)
         if error.code not in _MIGRATABLE:
             raise failed  # the request itself failed: final
-        if delivered and self.spec.sampling.structured is not None:
-            # A grammar cannot be resumed mid-output by another engine (its state is the engine's).
+        if self.spec.sampling.decode_samples_first and any(choice.output for choice in self.choices):
+            # A grammar cannot be resumed mid-output by another engine (its state is the engine's),
+            # nor n choices continued from one prompt.
             self.ctx.metrics.migrations.labels(outcome="exhausted").inc()
             raise failed
         assert delivered == self.sequencer.next_seq  # every token taken was delivered
@@ -229,7 +280,8 @@ class Generation:
         spec = self.ctx.continuation(self.spec, self.output) if delivered else self.spec
         spec = msgspec.structs.replace(spec, attempt=self.migrations)
         self.ctx.router.reassign(self.inbox)
-        self.sequencer.drop_ahead()
+        for choice in self.choices:
+            choice.sequencer.drop_ahead()
         try:
             await self._resubmit(spec)
         except ApiError as refused:
@@ -254,19 +306,19 @@ class Generation:
 
     @property
     def finish_reason(self) -> str:
-        reason = "stop" if self.assembler.stopped else (self.sequencer.finish_reason or "length")
-        return "tool_calls" if self._called and reason == "stop" else reason
+        """Choice 0's."""
+        return self.choices[0].finish_reason
 
     # --- non-streaming ------------------------------------------------------------------
 
     async def _send_body(self, send) -> None:
-        parts: list[str] = []
-        logprobs: list[dict] = []
+        parts: dict[int, list[str]] = {choice.index: [] for choice in self.choices}
+        logprobs: dict[int, list[dict]] = {choice.index: [] for choice in self.choices}
 
-        async def gather(text: str, lps: dict | None) -> None:
-            parts.append(text)
+        async def gather(choice: Choice, text: str, lps: dict | None) -> None:
+            parts[choice.index].append(text)
             if lps is not None:
-                logprobs.append(lps)
+                logprobs[choice.index].append(lps)
 
         try:
             await self._generate(gather)
@@ -276,34 +328,34 @@ class Generation:
             await _send_json(send, generation_error(exc.error.code, exc.error.message))
             return
         self.outcome = "ok"
-        await _send_json(
-            send, None, self._body("".join(parts), _joined(logprobs, self.kind) if self.token_text else None)
-        )
-
-    def _body(self, text: str, logprobs: dict | None) -> dict:
-        if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                reader = self.tools.stream()
-                parsed = collect([*reader.push(text), *reader.finish()])
-                message["content"] = parsed.content
-                if parsed.tool_calls:
-                    self._called = True
-                    message["tool_calls"] = [
-                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                        for c in parsed.tool_calls
-                    ]
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
-        return {
+        choices = [
+            self._choice_body(c, "".join(parts[c.index]), _joined(logprobs[c.index], self.kind)) for c in self.choices
+        ]
+        body = {
             "id": self.spec.request_id,
             "object": _OBJECT[self.kind],
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": self.usage(),
         }
+        await _send_json(send, None, body)
+
+    def _choice_body(self, choice: Choice, text: str, logprobs: dict) -> dict:
+        shown = logprobs if self.token_text is not None else None
+        if self.kind != "chat":
+            return {"index": choice.index, "text": text, "logprobs": shown, "finish_reason": choice.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if choice.reader is not None:
+            parsed = collect([*choice.reader.push(text), *choice.reader.finish()])
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                choice.called = True
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in parsed.tool_calls
+                ]
+        return {"index": choice.index, "message": message, "logprobs": shown, "finish_reason": choice.finish_reason}
 
     # --- streaming ----------------------------------------------------------------------
 
@@ -311,23 +363,25 @@ class Generation:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         self.response_started = True
         if self.kind == "chat":
-            await self._event(send, self._chunk({"role": "assistant", "content": ""}, None))
+            for choice in self.choices:
+                await self._event(send, self._chunk({"role": "assistant", "content": ""}, None, choice.index))
 
         frames = _DeltaFrames(self._chunk({"content": ""} if self.kind == "chat" else "", None))
-        reader = self.tools.stream() if self.tools is not None else None
-        plain = reader is None and self.token_text is None and not self.continuous_usage
+        plain = len(self.choices) == 1 and self.tools is None and self.token_text is None
+        plain = plain and not self.continuous_usage
 
-        async def emit(text: str, logprobs: dict | None) -> None:
+        async def emit(choice: Choice, text: str, logprobs: dict | None) -> None:
             if plain:  # the hot path: a pre-encoded frame around the text
                 await send({"type": "http.response.body", "body": frames.delta(text), "more_body": True})
                 return
-            events: list[Event] = reader.push(text) if reader is not None else ([text] if text else [])
-            await self._send_events(send, events, logprobs)
+            events: list[Event] = choice.reader.push(text) if choice.reader is not None else ([text] if text else [])
+            await self._send_events(send, choice, events, logprobs)
 
         try:
             await self._generate(emit)
-            if reader is not None:
-                await self._send_events(send, reader.finish(), None)
+            for choice in self.choices:
+                if choice.reader is not None:
+                    await self._send_events(send, choice, choice.reader.finish(), None)
         except StreamFailed as exc:
             self.outcome = "error"
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
@@ -335,21 +389,21 @@ class Generation:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         self.outcome = "ok"
-        ending = [self._chunk({} if self.kind == "chat" else "", self.finish_reason)]
+        ending = [self._chunk({} if self.kind == "chat" else "", c.finish_reason, c.index) for c in self.choices]
         if self.continuous_usage:
-            ending[0]["usage"] = self.usage()
+            ending[-1]["usage"] = self.usage()
         if self.include_usage:
             ending.append(self._usage_chunk())
         body = b"".join(_sse(event) for event in ending) + b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _send_events(self, send, events: list[Event], logprobs: dict | None) -> None:
-        """Content and tool-call deltas, one chunk each (consecutive text joined); the
-        logprobs ride on the first, or on an empty delta of their own."""
+    async def _send_events(self, send, choice: Choice, events: list[Event], logprobs: dict | None) -> None:
+        """One choice's content and tool-call deltas, one chunk each (consecutive text
+        joined); the logprobs ride on the first, or on an empty delta of their own."""
         deltas: list[dict | str] = []
         for event in events:
             if isinstance(event, ToolCallDelta):
-                self._called = True
+                choice.called = True
                 deltas.append({"tool_calls": [_call_delta(event)]})
             elif self.kind != "chat":
                 deltas.append(event)
@@ -360,7 +414,7 @@ class Generation:
         if not deltas and logprobs is not None:
             deltas.append({"content": ""} if self.kind == "chat" else "")
         for i, delta in enumerate(deltas):
-            chunk = self._chunk(delta, None)
+            chunk = self._chunk(delta, None, choice.index)
             if i == 0 and logprobs is not None:
                 chunk["choices"][0]["logprobs"] = logprobs
             if self.continuous_usage:
@@ -370,11 +424,11 @@ class Generation:
     async def _event(self, send, payload: dict) -> None:
         await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
 
-    def _chunk(self, delta: dict | str, finish_reason: str | None) -> dict:
+    def _chunk(self, delta: dict | str, finish_reason: str | None, index: int = 0) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
         chunk = {
             "id": self.spec.request_id,
             "object": _CHUNK_OBJECT[self.kind],
@@ -399,7 +453,7 @@ class Generation:
     def usage(self) -> dict:
         prompt = len(self.spec.prompt_tokens)
         cached = self.sequencer.usage.cached_tokens if self.sequencer.usage else 0
-        completion = self.assembler.tokens
+        completion = self.completion_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -413,7 +467,7 @@ class Generation:
         rid = self.spec.request_id
         self.ctx.router.close(rid)
         outcome = self.outcome or "error"  # unsettled: something raised past the catch-all
-        if not self.sequencer.finished:  # a stop string, an error or a disconnect ended it here
+        if not all(c.sequencer.finished for c in self.choices):  # a stop string, an error, a disconnect
             cancel = Cancel(request_id=rid, reason=outcome if outcome != "ok" else "stop")
             await self.ctx.nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
         self._record(outcome)
@@ -435,7 +489,7 @@ class Generation:
             m.queue_time.observe(usage.queued_s)
             m.prompt_tokens.labels(tenant).inc(usage.prompt_tokens)
             m.cached_tokens.labels(tenant).inc(usage.cached_tokens)
-        m.generation_tokens.labels(tenant).inc(self.assembler.tokens)
+        m.generation_tokens.labels(tenant).inc(self.completion_tokens)
         m.recomputed_tokens.inc(self.recomputed_tokens)
         if self.first_token_at is not None:
             m.ttft.observe(self.first_token_at - self.arrived)

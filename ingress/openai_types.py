@@ -34,6 +34,7 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TokenCount = Annotated[int, msgspec.Meta(ge=1)]  # the context bounds it from above (ingress.app)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # msgpack's integers: int64 and uint64
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_CHOICES = 128  # OpenAI's limit on n
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,7 +119,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    n: int = 1  # typed here for the schema; ingress.fields refuses any but 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: int | None = None

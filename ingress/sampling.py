@@ -64,6 +64,7 @@ def sampling_params(
         stop_token_ids=_stop_token_ids(body.stop_token_ids, vocab_size),
         logprobs=_logprobs(body),
         structured=structured,
+        n=body.n,
     )
 
 

@@ -333,7 +333,7 @@ class SchedulerCore:
             return self._overloaded(rid, f"{self._queue.tokens} prompt tokens are already queued")
         if spec.deadline_s is not None and len(self._queue) and self.predicted_wait_s() > spec.deadline_s:
             return self._overloaded(rid, f"the predicted wait exceeds the deadline of {spec.deadline_s:.1f} s")
-        return self._decode_refusal(rid, tokens + spec.sampling.max_tokens)
+        return self._decode_refusal(rid, spec.sampling.kv_tokens(tokens))
 
     def decode_capacity(self) -> int:
         """KV tokens the decode fleet holds at once: decode workers' budgets, colocated

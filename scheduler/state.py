@@ -81,4 +81,4 @@ class Tracked:
     @property
     def decode_tokens(self) -> int:
         """KV tokens the request can come to hold on its decode worker."""
-        return self.prompt_tokens + self.spec.sampling.max_tokens
+        return self.spec.sampling.kv_tokens(self.prompt_tokens)

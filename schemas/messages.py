@@ -63,12 +63,19 @@ class SamplingParams(_Wire, frozen=True):
     stop_token_ids: list[int] = []  # each ends the output (after min_tokens); it is output itself
     logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely
     structured: StructuredOutput | None = None
+    # Choices: n sequences from one prompt, prefilled once and decoded side by side on one
+    # decode worker, sharing the prompt's KV; their chunks carry ``StreamChunk.index``.
+    n: int = 1
 
     @property
     def decode_samples_first(self) -> bool:
         """Token 0 is sampled where the rest is (decode), not by the prefill: a grammar's
-        state cannot be handed from one engine to the other."""
-        return self.structured is not None
+        state cannot be handed from one engine to the other, and n choices need n tokens 0."""
+        return self.structured is not None or self.n > 1
+
+    def kv_tokens(self, prompt_tokens: int) -> int:
+        """The KV tokens a request can come to hold decoding: the prompt once, each choice's output."""
+        return prompt_tokens + self.n * self.max_tokens
 
 
 class TokenLogprobs(_Wire, frozen=True, array_like=True):
@@ -417,6 +424,7 @@ class StreamChunk(_Wire, frozen=True):
     assigned: str | None = None
     # One per token of ``token_ids`` when the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # the choice (``SamplingParams.n``); ``seq`` counts positions within it
 
 
 class StreamBatch(_Wire, frozen=True):

@@ -43,14 +43,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class _Pending:
+    """One choice's tokens stepped and not yet sent."""
+
+    seq: int  # output position of tokens[0]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, if asked for
+    finished: FinishReason | None = None
+
+
+@dataclass(slots=True)
 class _Stream:
     ingress_id: str
     span: Span
+    choices: int = 1  # SamplingParams.n
     generated: int = 1  # token 0 came from prefill
-    pending: list[int] = field(default_factory=list)  # stepped, not yet sent
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, if asked for
-    pending_seq: int = 0  # output position of pending[0]
-    finished: FinishReason | None = None
+    pending: dict[int, _Pending] = field(default_factory=dict)  # by choice
+    ended: int = 0  # choices finished
+    finished: FinishReason | None = None  # set once every choice has
     kv_expected_tokens: int = 0
     kv_loaded_tokens: int = 0
 
@@ -92,15 +102,18 @@ class DecodeRole:
         return None
 
     def _has_room(self, task: DecodeTask | LocalTask) -> bool:
-        need = len(task.spec.prompt_tokens) + task.spec.sampling.max_tokens
+        need = task.spec.sampling.kv_tokens(len(task.spec.prompt_tokens))
         return not self.engine.running or self.engine.held_tokens + need <= self.token_budget
 
     def _start(self, task: DecodeTask, ctx) -> None:
         span = tracing.tracer().start_span("worker.decode", context=ctx)
         span.set_attribute("switchyard.worker_id", self.worker_id)
         self.engine.add(task)
-        generated = 0 if task.spec.sampling.decode_samples_first else 1  # token 0: prefill's, or ours
-        self._streams[task.spec.request_id] = _Stream(task.spec.ingress_id, span, generated=generated)
+        sampling = task.spec.sampling
+        generated = 0 if sampling.decode_samples_first else 1  # token 0: prefill's, or ours
+        self._streams[task.spec.request_id] = _Stream(
+            task.spec.ingress_id, span, choices=sampling.n, generated=generated
+        )
         self._wake.set()
 
     def _offer_local(self, task: LocalTask, headers: dict[str, str]) -> str | None:
@@ -172,15 +185,20 @@ class DecodeRole:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # cancelled during the step
-            if not stream.pending:
-                stream.pending_seq = out.position
+            pending = stream.pending.get(out.index)
+            if pending is None:
+                pending = stream.pending[out.index] = _Pending(out.position)
                 self._unsent[out.request_id] = stream
             if out.token is not None:
-                stream.pending.append(out.token)
+                pending.tokens.append(out.token)
                 stream.generated += 1
                 if out.logprobs is not None:
-                    stream.pending_logprobs.append(out.logprobs)
+                    pending.logprobs.append(out.logprobs)
             if out.finished is not None:
+                pending.finished = out.finished
+                stream.ended += 1
+                if stream.ended < stream.choices:
+                    continue
                 stream.finished = out.finished
                 stream.kv_expected_tokens, stream.kv_loaded_tokens = out.kv_expected_tokens, out.kv_loaded_tokens
                 if out.kv_loaded_tokens < out.kv_expected_tokens:
@@ -194,16 +212,19 @@ class DecodeRole:
         for rid, stream in self._unsent.items():
             if self._streams.get(rid) is not stream:
                 continue  # cancelled since it stepped
-            by_ingress.setdefault(stream.ingress_id, []).append(
-                StreamChunk(
-                    request_id=rid,
-                    seq=stream.pending_seq,
-                    token_ids=stream.pending,
-                    finish_reason=stream.finished,
-                    logprobs=stream.pending_logprobs or None,
+            chunks = by_ingress.setdefault(stream.ingress_id, [])
+            for index, pending in stream.pending.items():
+                chunks.append(
+                    StreamChunk(
+                        request_id=rid,
+                        seq=pending.seq,
+                        token_ids=pending.tokens,
+                        finish_reason=pending.finished,
+                        logprobs=pending.logprobs or None,
+                        index=index,
+                    )
                 )
-            )
-            stream.pending, stream.pending_logprobs = [], []
+            stream.pending = {}
             if stream.finished is not None:
                 del self._streams[rid]
                 stream.span.set_attribute("switchyard.generated_tokens", stream.generated)

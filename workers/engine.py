@@ -38,6 +38,7 @@ class StepOutput:
     kv_expected_tokens: int = 0
     kv_loaded_tokens: int = 0
     logprobs: TokenLogprobs | None = None  # ``token``'s, when the request asked for them
+    index: int = 0  # the choice it belongs to (``SamplingParams.n``)
 
 
 class PrefillEngine(Protocol):

@@ -109,7 +109,7 @@ class _Held:
 
     def report(self) -> HeldRequest:
         spec = self.task.spec
-        decode_tokens = len(spec.prompt_tokens) + spec.sampling.max_tokens
+        decode_tokens = spec.sampling.kv_tokens(len(spec.prompt_tokens))
         prefill = isinstance(self.task, PrefillTask) or (isinstance(self.task, LocalTask) and not self.decoding)
         charged = self.task.charged_tokens
         if charged is None:  # a scheduler that does not say: what it would have charged

@@ -111,8 +111,25 @@ def sampling_key(task: PrefillTask | DecodeTask) -> int:
     return _mix(int.from_bytes(digest, "little"))
 
 
+@dataclass
+class SimCounters:
+    """What the sim engine computed, as a vLLM engine counts it (``schemas.EngineStats``)."""
+
+    prompt_tokens: int = 0
+    computed_tokens: int = 0  # prompt tokens it prefilled itself
+    local_cache_hit_tokens: int = 0  # found in its prefix cache (either tier)
+
+    def wire(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "computed_tokens": self.computed_tokens,
+            "local_cache_hit_tokens": self.local_cache_hit_tokens,
+        }
+
+
 class SimEngine:
-    """Plays both roles; a worker uses the half its role needs."""
+    """Plays both roles; a worker uses the half its role needs. It counts what it prefills
+    (``counters``), so tests and /metrics see the same figures a vLLM engine gives."""
 
     def __init__(self, config: SimEngineConfig, worker_id: str) -> None:
         if not 0 <= config.token_low < config.token_high:
@@ -121,9 +138,10 @@ class SimEngine:
         self.worker_id = worker_id
         self._device = _TierCache("device", config.cache_blocks)
         self._host = _TierCache("host", config.host_cache_blocks)  # capacity 0: holds nothing
-        self._running: dict[str, _Sequence] = {}
+        self._running: dict[str, list[_Sequence]] = {}  # each request's choices
         self._held = 0
         self._tokens: Any = None  # the tokenizer, loaded for the first structured request
+        self.counters = SimCounters()
 
     def token(self, key: int, position: int) -> int:
         span = self.config.token_high - self.config.token_low
@@ -167,8 +185,11 @@ class SimEngine:
         cost = self.config.cost
         await anyio.sleep(cost.prefill_s(uncached) + cost.host_fetch_per_token_s * fetched)
         elapsed = time.monotonic() - started
-        for task in tasks:
+        for task, hit in zip(tasks, cached, strict=True):
             self._remember(task.spec.block_keys)
+            self.counters.prompt_tokens += len(task.spec.prompt_tokens)
+            self.counters.computed_tokens += len(task.spec.prompt_tokens) - hit
+            self.counters.local_cache_hit_tokens += hit
         return [self._result(t, c, elapsed, uncached) for t, c in zip(tasks, cached, strict=True)]
 
     def _result(self, task: PrefillTask, cached: int, elapsed: float, batch_tokens: int) -> PrefillResult:
@@ -234,19 +255,29 @@ class SimEngine:
         """Start decoding. The prompt's blocks were handed over (or computed here): they
         are in this worker's cache now, where the next turn of a conversation may hit."""
         spec = task.spec
+        sampling = spec.sampling
         self._remember(spec.block_keys)
-        key = sampling_key(task)
-        seq = _Sequence(
-            key=key,
-            # Token 0 came from the prefill, unless this engine samples it (a structured output).
-            next_position=spec.resume_from + (0 if spec.sampling.decode_samples_first else 1),
-            max_tokens=spec.resume_from + spec.sampling.max_tokens,
-            tokens=len(spec.prompt_tokens) + spec.sampling.max_tokens,
-            sampling=spec.sampling,
-            script=self._structured(spec, key),
-        )
-        self._running[spec.request_id] = seq
-        self._held += seq.tokens
+        base = sampling_key(task)
+        seqs = []
+        for index in range(sampling.n):
+            # Greedy choices are one choice n times, as on a real engine; sampled ones differ.
+            greedy = sampling.temperature == 0.0 and sampling.seed is None
+            key = base if index == 0 or greedy else _mix(base ^ (index * 0xC2B2AE3D27D4EB4F & _MASK))
+            seqs.append(
+                _Sequence(
+                    key=key,
+                    index=index,
+                    # Token 0 came from the prefill, unless this engine samples it (a constrained
+                    # output, or n choices).
+                    next_position=spec.resume_from + (0 if sampling.decode_samples_first else 1),
+                    max_tokens=spec.resume_from + sampling.max_tokens,
+                    sampling=sampling,
+                    script=self._structured(spec, key),
+                    prompt_tokens=len(spec.prompt_tokens),
+                )
+            )
+        self._running[spec.request_id] = seqs
+        self._held += sampling.kv_tokens(len(spec.prompt_tokens))
 
     def _structured(self, spec: RequestSpec, key: int) -> list[int] | None:
         """A structured request's whole output: an instance of what it asked for, as a
@@ -279,25 +310,27 @@ class SimEngine:
         return self._tokens
 
     def abort(self, request_id: str) -> bool:
-        seq = self._running.pop(request_id, None)
-        if seq is not None:
-            self._held -= seq.tokens
-        return seq is not None
+        seqs = self._running.pop(request_id, None)
+        if seqs:
+            self._held -= seqs[0].sampling.kv_tokens(seqs[0].prompt_tokens)
+        return seqs is not None
 
     async def step(self) -> list[StepOutput]:
-        await anyio.sleep(self.config.cost.decode_step_s(len(self._running)))
+        await anyio.sleep(self.config.cost.decode_step_s(sum(len(s) for s in self._running.values())))
         outputs = []
-        for rid, seq in list(self._running.items()):
-            position = seq.next_position
-            seq.next_position += 1
-            token, finished = self._next(seq, position)
-            if finished is None and seq.next_position >= seq.max_tokens:
-                finished = "length"
-            logprobs = None
-            if seq.sampling.logprobs is not None:
-                logprobs = self.logprobs(seq.key, position, token, seq.sampling.logprobs)
-            outputs.append(StepOutput(rid, token, position, finished, logprobs=logprobs))
-            if finished:
+        for rid, seqs in list(self._running.items()):
+            for seq in [s for s in seqs if not s.done]:
+                position = seq.next_position
+                seq.next_position += 1
+                token, finished = self._next(seq, position)
+                if finished is None and seq.next_position >= seq.max_tokens:
+                    finished = "length"
+                logprobs = None
+                if seq.sampling.logprobs is not None:
+                    logprobs = self.logprobs(seq.key, position, token, seq.sampling.logprobs)
+                outputs.append(StepOutput(rid, token, position, finished, logprobs=logprobs, index=seq.index))
+                seq.done = finished is not None
+            if all(s.done for s in seqs):
                 self.abort(rid)
         return outputs
 
@@ -315,12 +348,16 @@ class SimEngine:
 
 @dataclass(slots=True)
 class _Sequence:
+    """One choice of a request being decoded."""
+
     key: int
+    index: int  # its choice
     next_position: int
     max_tokens: int  # the output position it ends before
-    tokens: int  # KV tokens it can come to hold
     sampling: SamplingParams
     script: list[int] | None = None  # a structured output's tokens, from the run's first
+    prompt_tokens: int = 0
+    done: bool = False
 
 
 class _TierCache:

@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -221,7 +221,12 @@ def _key(block_hash: bytes | int) -> int:
 class _Decoding:
     scope: anyio.CancelScope  # its task's: ``abort`` cancels it
     held_tokens: int
-    position: int = 1  # the output position of its next token (token 0 came from prefill)
+    position: int = 1  # the output position of its first token (token 0: the prefill's, or its own)
+    # Each choice's next output position, while it has not finished.
+    next_positions: dict[int, int] = field(default_factory=dict)
+
+    def start(self, choices: int) -> None:
+        self.next_positions = dict.fromkeys(range(choices), self.position)
 
 
 @dataclass(slots=True)
@@ -451,8 +456,9 @@ class VllmEngine:
         # greedily as it is; only the output positions start where the client left off.
         first = 0 if spec.sampling.decode_samples_first else 1  # token 0: the prefill's, or ours
         decoding = _Decoding(
-            anyio.CancelScope(), len(spec.prompt_tokens) + spec.sampling.max_tokens, position=spec.resume_from + first
+            anyio.CancelScope(), spec.sampling.kv_tokens(len(spec.prompt_tokens)), position=spec.resume_from + first
         )
+        decoding.start(spec.sampling.n)
         self._decoding[rid] = decoding
         self._serving().tasks.start_soon(self._decode_one, task, decoding, name=f"decode {rid}")
 
@@ -484,7 +490,8 @@ class VllmEngine:
             try:
                 await self._stream_decode(llm, task, vllm_rid, decoding)
             except Exception as exc:
-                self._emit(StepOutput(request_id=rid, token=None, position=decoding.position, finished="abort"))
+                for index, position in decoding.next_positions.items():  # every choice still going ends
+                    self._emit(StepOutput(request_id=rid, token=None, position=position, finished="abort", index=index))
                 if llm.errored:
                     raise EngineError(f"{self.worker_id}: the vLLM engine died decoding {rid}") from exc
                 log.exception("%s: decode failed", rid)
@@ -515,7 +522,12 @@ class VllmEngine:
             prompt, max_tokens = [*spec.prompt_tokens, task.first_token], sampling.max_tokens - 1
             min_tokens = max(0, sampling.min_tokens - 1)
         params = self._sampling(
-            spec, max_tokens=max_tokens, min_tokens=min_tokens, extra_args=extra, kind=RequestOutputKind.DELTA
+            spec,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            n=sampling.n,
+            extra_args=extra,
+            kind=RequestOutputKind.DELTA,
         )
         loaded = None
         async for output in llm.generate(self._prompt(spec, prompt), params, vllm_rid):
@@ -525,38 +537,60 @@ class VllmEngine:
                     log.warning(
                         "%s: KV handed over for %d prompt tokens, engine loaded %d: recomputed", rid, expected, loaded
                     )
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            reason = _FINISH.get(completion.finish_reason, "stop") if output.finished else None
-            asked = sampling.logprobs
-            for i, token in enumerate(tokens):
-                last = i == len(tokens) - 1
-                logprobs = None
-                if asked is not None and completion.logprobs and i < len(completion.logprobs):
-                    logprobs = token_logprobs(completion.logprobs[i], token, asked)
-                self._emit(
-                    StepOutput(
-                        request_id=rid,
-                        token=token,
-                        position=decoding.position,
-                        finished=reason if last else None,
-                        kv_expected_tokens=expected if last and reason else 0,
-                        kv_loaded_tokens=min(loaded, expected) if last and reason else 0,
-                        logprobs=logprobs,
-                    )
+            for completion in output.outputs:  # one per choice that moved (n > 1: vLLM's children)
+                self._emit_choice(rid, decoding, completion, output.finished, sampling.logprobs, expected, loaded)
+
+    def _emit_choice(
+        self,
+        rid: str,
+        decoding: _Decoding,
+        completion: Any,
+        all_done: bool,
+        asked: int | None,
+        expected: int,
+        loaded: int,
+    ) -> None:
+        index = getattr(completion, "index", 0)
+        position = decoding.next_positions.get(index)
+        if position is None:
+            return  # finished already
+        tokens = list(completion.token_ids)
+        done = completion.finish_reason is not None or (all_done and len(decoding.next_positions) == 1)
+        reason = _FINISH.get(completion.finish_reason, "stop") if done else None
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            logprobs = None
+            if asked is not None and completion.logprobs and i < len(completion.logprobs):
+                logprobs = token_logprobs(completion.logprobs[i], token, asked)
+            self._emit(
+                StepOutput(
+                    request_id=rid,
+                    token=token,
+                    position=position,
+                    finished=reason if last else None,
+                    kv_expected_tokens=expected if last and reason else 0,
+                    kv_loaded_tokens=min(loaded, expected) if last and reason else 0,
+                    logprobs=logprobs,
+                    index=index,
                 )
-                decoding.position += 1
-            if output.finished and not tokens:  # finished with nothing new: close the stream
-                self._emit(
-                    StepOutput(
-                        request_id=rid,
-                        token=None,
-                        position=decoding.position,
-                        finished=reason or "stop",
-                        kv_expected_tokens=expected,
-                        kv_loaded_tokens=min(loaded, expected),
-                    )
+            )
+            position += 1
+        if done and not tokens:  # finished with nothing new: close the choice
+            self._emit(
+                StepOutput(
+                    request_id=rid,
+                    token=None,
+                    position=position,
+                    finished=reason or "stop",
+                    kv_expected_tokens=expected,
+                    kv_loaded_tokens=min(loaded, expected),
+                    index=index,
                 )
+            )
+        if done:
+            del decoding.next_positions[index]
+        else:
+            decoding.next_positions[index] = position
 
     # --- shared ---------------------------------------------------------------------
 
@@ -568,8 +602,17 @@ class VllmEngine:
         return {"prompt_token_ids": tokens, "cache_salt": cache_salt_for(spec.tenant, spec.model)}
 
     def _sampling(
-        self, spec: RequestSpec, *, max_tokens: int, min_tokens: int, extra_args: dict | None = None, kind=None
+        self,
+        spec: RequestSpec,
+        *,
+        max_tokens: int,
+        min_tokens: int,
+        n: int = 1,
+        extra_args: dict | None = None,
+        kind=None,
     ):
+        """vLLM's sampling params for one run: the prefill's (one token, one choice: it only
+        computes the prompt once) or the decode's (every choice)."""
         from vllm import SamplingParams
 
         s = spec.sampling
@@ -594,7 +637,8 @@ class VllmEngine:
             "ignore_eos": s.ignore_eos,
             "stop_token_ids": s.stop_token_ids or None,
             "logprobs": s.logprobs,
-            "seed": s.seed,
+            "seed": s.seed,  # vLLM gives choice i of n the seed + i
+            "n": n,
             "detokenize": False,
             "extra_args": extra_args,
         }

@@ -317,3 +317,63 @@ def test_sampling_controls_out_of_range_are_a_400_naming_them(stack, extra, para
     reply = httpx.post(f"{stack.ingress.url}/v1/chat/completions", json=body)
     assert reply.status_code == 400, reply.text
     assert re.split(r"[.\[]", reply.json()["error"]["param"])[0] == param
+
+
+# --- n choices ----------------------------------------------------------------------------------
+
+
+def prefilled(stack) -> int:
+    return sum(w.role.engine.counters.prompt_tokens for w in stack.workers_of("prefill"))
+
+
+def test_n_choices_are_prefilled_once_and_come_back_indexed(client, stack):
+    prompt = "Three ways to couple wagons, please. " * 4
+    before = prefilled(stack)
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, n=3, temperature=1, seed=11, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.text for c in reply.choices}) == 3  # sampled: three different texts
+    assert all(c.finish_reason == "length" for c in reply.choices)
+    assert reply.usage.completion_tokens == 36  # all three counted
+    assert prefilled(stack) - before == reply.usage.prompt_tokens  # the prompt once, not three times
+
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        n=3,
+        temperature=1,
+        seed=11,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    texts, reasons, usage = {}, {}, None
+    for chunk in streamed:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in reply.choices}  # seeded: the same three texts
+    assert reasons == {0: "length", 1: "length", 2: "length"} and usage.completion_tokens == 36
+
+
+def test_n_chat_choices_with_a_forced_tool_call_each_call(client):
+    named = {"type": "function", "function": {"name": "count_wagons"}}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, n=2, temperature=1, max_tokens=200
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert_valid_calls(choice.message)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, n=2, max_tokens=5, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]

@@ -130,9 +130,9 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"ty
 
 def test_a_field_that_would_change_the_output_is_refused_through_the_openai_client(client, stack):
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=2)
-    assert caught.value.param == "n" and caught.value.code == "unsupported_parameter"
-    assert "n=1" in caught.value.message
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    assert caught.value.param == "prompt_logprobs" and caught.value.code == "unsupported_parameter"
+    assert "prompt logprobs" in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"bad_words": ["x"]})
     assert caught.value.param == "bad_words"

@@ -226,7 +226,7 @@ def test_one_request_is_one_trace(client, spans):
             400,
             "messages[0].content[0]",
         ),
-        (b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+        (b'{"model": "switchyard-sim", "messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "n"),
         (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
     ],
 )

@@ -113,6 +113,24 @@ def test_structured_outputs_hold_across_prefill_and_decode(client, bus, stream):
             assert finished.kv_loaded_tokens == finished.kv_expected_tokens > 0  # handed over, not recomputed
 
 
+def test_n_choices_are_prefilled_once_and_decoded_side_by_side(client, bus):
+    """n=3: the prefill engine computes the prompt once (its own counters), the decode engine
+    samples three choices from the KV it was handed (vLLM's n, seeded: seed + i per choice)."""
+    prompt = [random.Random(23).randrange(256, 4000) for _ in range(3 * BLOCK + 7)]
+    before = settled_stats(bus, "prefill")
+    reply = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=8, n=3, temperature=1.0, seed=5, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.text for c in reply.choices}) > 1 and reply.usage.completion_tokens == 24
+    after = settled_stats(bus, "prefill", more_than=before.prompt_tokens)
+    assert after.prompt_tokens - before.prompt_tokens == len(prompt)  # once, not three times
+    assert wait_until(lambda: reply.id in bus.finished(), 5)
+    finished = bus.finished()[reply.id]
+    assert finished.generated_tokens == 24
+    assert finished.kv_loaded_tokens == finished.kv_expected_tokens == 3 * BLOCK
+
+
 def test_shared_prefix_is_reported_cached_and_not_recomputed(client, bus, tokenizer):
     first = client.completions.create(model="tiny-llama", prompt=[*PREFIX, 300, 301], max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0

@@ -83,8 +83,7 @@ def test_neutral_values_and_fields_without_effect_pass(endpoint, extra) -> None:
 
 
 REFUSED = [
-    ("chat", "n", 2),
-    ("chat", "n", 0),
+    ("completion", "best_of", 3),
     ("chat", "functions", [{"name": "f"}]),
     ("chat", "function_call", {"name": "f"}),
     ("chat", "modalities", ["text", "audio"]),

@@ -194,7 +194,7 @@ OUTPUT = [300 + i for i in range(8)]
 async def _run(generation: Generation) -> str:
     parts: list[str] = []
 
-    async def collect(text: str, logprobs: dict | None) -> None:
+    async def collect(choice, text: str, logprobs: dict | None) -> None:
         parts.append(text)
 
     await generation._generate(collect)

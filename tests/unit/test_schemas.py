@@ -41,6 +41,7 @@ SPEC = m.RequestSpec(
         ignore_eos=True,
         stop_token_ids=[2, 9],
         logprobs=5,
+        n=3,
         structured=m.StructuredOutput(
             json_schema='{"type": "object"}', json_object=True, regex="a+", choice=["a", "b"], grammar="root ::= 'a'"
         ),
@@ -206,6 +207,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
                     usage=USAGE,
                     error=m.StreamError(code="worker_lost", message="gone"),
                     assigned="d-2",
+                    index=2,
                     logprobs=[
                         m.TokenLogprobs(logprob=-0.5, top_ids=[1, 7], top_logprobs=[-0.5, -1.5]),
                         m.TokenLogprobs(logprob=-2.0, top_ids=[3], top_logprobs=[-0.25]),

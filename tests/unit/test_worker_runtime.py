@@ -81,11 +81,12 @@ def _config(role: Role) -> WorkerConfig:
     return WorkerConfig(role=role, worker_id="w")
 
 
-async def test_a_sim_worker_reports_no_boot_time_and_no_engine_stats() -> None:
+async def test_a_sim_worker_reports_no_boot_time_and_what_it_prefilled() -> None:
     engine = SimEngine(SimEngineConfig(), "w")
+    engine.counters.prompt_tokens, engine.counters.computed_tokens = 40, 8
     for role in (PrefillRole(engine, "w", 100), DecodeRole(engine, "w", 100)):
         report = await _report(WorkerRuntime(_config("decode"), role))
-        assert (report.boot_s, report.stats) == (0.0, None)
+        assert (report.boot_s, report.stats) == (0.0, EngineStats(prompt_tokens=40, computed_tokens=8))
 
 
 async def test_a_booting_counting_engine_reports_its_boot_time_counters_and_the_roles_fallbacks() -> None:
