@@ -68,3 +68,26 @@ def usage(tenant: str) -> str:
 def every_usage() -> str:
     """Every tenant's usage subject: what the usage stream holds."""
     return f"{ROOT}.usage.>"
+
+
+# --- batch jobs (schemas.batch) ---------------------------------------------------------------
+
+# producer -> batch runners, request/reply: JobSubmit (JSON) -> JobReply; one runner answers
+# (queue group schemas.batch.RUNNER_QUEUE)
+BATCH_SUBMIT = f"{ROOT}.batch.submit"
+
+
+def batch_work(tenant: str, batch_id: str) -> str:
+    """ingress/runner -> JetStream work queue ``schemas.batch.WORK_STREAM``: WorkItem (JSON),
+    ``Nats-Msg-Id`` = batch id and line. A tenant's dots are written ``~`` (see ``usage``)."""
+    return f"{ROOT}.batch.work.{tenant.replace('.', '~')}.{batch_id}"
+
+
+def every_batch_work() -> str:
+    """What the work-queue stream holds."""
+    return f"{ROOT}.batch.work.>"
+
+
+def batch_max_deliveries(stream: str, consumer: str = "*") -> str:
+    """JetStream's advisory: a message of ``stream`` delivered ``max_deliver`` times, never acked."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
