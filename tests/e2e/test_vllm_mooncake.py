@@ -46,7 +46,8 @@ PREFIX = [random.Random(11).randrange(256, 4000) for _ in range(10 * BLOCK + 5)]
 def stack(module_nats, tmp_path_factory) -> UpStack:
     log = tmp_path_factory.mktemp("vllm") / "up.log"
     # A stream whose decode engine is killed waits for up to restart it (an engine boots in 30-90 s).
-    with vllm_stack(module_nats.url, log, kv_transfer="mooncake-store", extra=["--migration-wait-s", "300"]) as s:
+    extra = ["--migration-wait-s", "300", "--tool-call-parser", "hermes"]
+    with vllm_stack(module_nats.url, log, kv_transfer="mooncake-store", extra=extra) as s:
         yield s
 
 
@@ -111,6 +112,35 @@ def test_structured_outputs_hold_across_prefill_and_decode(client, bus, stream):
             assert wait_until(lambda r=rid: r in bus.finished(), 5)
             finished = bus.finished()[rid]
             assert finished.kv_loaded_tokens == finished.kv_expected_tokens > 0  # handed over, not recomputed
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_call_round_trip(client, stream):
+    """Call (constrained to the named tool's schema), tool result, final answer: the template
+    renders the call and the result into the next prompt, and the engine answers in text."""
+    tools = [{"type": "function", "function": {"name": "set_track", "parameters": ANSWER}}]
+    named = {"type": "function", "function": {"name": "set_track"}}
+    ask = [{"role": "user", "content": "Set track nine open, in celsius."}]
+    # Sampled, seeded: greedy, the random tiny model may fill max_tokens with the whitespace the
+    # JSON grammar allows between tokens (a real model does not).
+    kwargs = {"model": "tiny-llama", "tools": tools, "max_tokens": 200, "temperature": 1.0, "seed": 1}
+    if stream:
+        usage = {"include_usage": True}
+        with client.chat.completions.stream(messages=ask, tool_choice=named, stream_options=usage, **kwargs) as events:
+            first = events.get_final_completion()
+    else:
+        first = client.chat.completions.create(messages=ask, tool_choice=named, **kwargs)
+    (call,) = first.choices[0].message.tool_calls
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "set_track"
+    jsonschema.validate(json.loads(call.function.arguments), ANSWER)
+    conversation = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Track 9 is open."},
+    ]
+    final = client.chat.completions.create(messages=conversation, **kwargs | {"max_tokens": 6})
+    assert final.choices[0].message.content and final.choices[0].message.tool_calls is None
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result joined the prompt
 
 
 def test_n_choices_are_prefilled_once_and_decoded_side_by_side(client, bus):
