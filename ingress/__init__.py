@@ -9,10 +9,15 @@ from switchyard.schemas import lazy_attributes
 
 if TYPE_CHECKING:
     from switchyard.ingress.auth import KeyRecord, KeyStore, KeyStoreError, Limits
+    from switchyard.ingress.files import FileNotFound, FileObject, FileStore
     from switchyard.ingress.service import IngressService
 
 _AUTH = "switchyard.ingress.auth"
+_FILES = "switchyard.ingress.files"
 _LAZY = {
+    "FileNotFound": _FILES,
+    "FileObject": _FILES,
+    "FileStore": _FILES,
     "IngressService": "switchyard.ingress.service",
     "KeyRecord": _AUTH,
     "KeyStore": _AUTH,
@@ -21,6 +26,9 @@ _LAZY = {
 }
 
 __all__ = [
+    "FileNotFound",
+    "FileObject",
+    "FileStore",
     "IngressConfig",
     "IngressService",
     "KeyRecord",

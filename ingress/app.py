@@ -15,7 +15,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -30,7 +30,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from switchyard.ingress.auth import AuthMiddleware, Gate, caller_of
 from switchyard.ingress.config import IngressConfig
@@ -100,6 +100,7 @@ class Ingress:
         bus_stats: BusStats,
         gate: Gate,
         on_finished: Callable[[Generation, str], None] | None = None,
+        routes: Sequence[BaseRoute] = (),  # more of the API, served by other modules (ingress.files)
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -133,6 +134,7 @@ class Ingress:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_text, methods=["GET"]),
                 Route("/openapi.json", self.openapi, methods=["GET"]),
+                *routes,
             ],
             # Exception: Starlette's outermost middleware answers with it, then re-raises
             # for the server to log; the client never sees a plain-text 500.

@@ -24,6 +24,15 @@ class UsageConfig(ConfigStruct, frozen=True, kw_only=True):
     ] = 10_000
 
 
+class FilesConfig(ConfigStruct, frozen=True, kw_only=True):
+    """The OpenAI Files API (``ingress.files``): files kept in JetStream, per tenant."""
+
+    # OpenAI's limit for a batch input file. An upload is its own route with this limit,
+    # not --max-body-bytes; its form is spooled to a temporary file past 1 MiB, never
+    # held whole in memory.
+    max_bytes: Annotated[int, setting("largest file an upload may hold (413 above)", gt=0)] = 200 * 1024 * 1024
+
+
 class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
     nats_url: NatsUrl = DEFAULT_NATS_URL
     nats_client: NatsClient = NatsClientConfig()
@@ -112,6 +121,7 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
     keys_file: Annotated[str, setting("--auth keys: the API keys file that `switchyard keys create` writes")] = ""
     usage: Annotated[UsageConfig, setting("per-tenant usage records", prefix="usage-")] = UsageConfig()
     region: Annotated[str, setting("this ingress's region, written into its usage records (empty: none)")] = ""
+    files: Annotated[FilesConfig, setting("the Files API", prefix="files-")] = FilesConfig()
 
     def __post_init__(self) -> None:
         super().__post_init__()

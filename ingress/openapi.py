@@ -138,7 +138,8 @@ def openapi_document(routes: Sequence[BaseRoute], model: str) -> bytes:
             path = route.path.replace("{model:path}", "{model}")  # OpenAPI names no converters
             endpoint = _ENDPOINTS.get(path) or _Endpoint(_summary_of(route))
             methods = sorted(m.lower() for m in route.methods or () if m != "HEAD")
-            operations = {m: _operation(endpoint, path) for m in methods}
+            described = getattr(route.endpoint, "openapi", None)  # a route that says it itself
+            operations = {m: _described(described) if described else _operation(endpoint, path) for m in methods}
             paths.setdefault(path, {}).update(operations)
     document = {
         "openapi": "3.1.0",
@@ -195,6 +196,21 @@ def _operation(endpoint: _Endpoint, path: str) -> dict[str, Any]:
     if parameters:
         operation["parameters"] = parameters
     return operation
+
+
+def _described(described: dict[str, Any]) -> dict[str, Any]:
+    """The operation of a route that describes itself (``ingress.files``): its ``summary`` and
+    optional ``parameters`` and ``requestBody`` as OpenAPI has them, ``content`` (its 200's,
+    JSON by default) and ``errors`` ({status: why}, answered with an OpenAI error body)."""
+    content = described.get("content", {"application/json": {"schema": {"type": "object"}}})
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+    for status, why in {**_EDGE_ERRORS, **described.get("errors", {})}.items():
+        responses[status] = {
+            "description": why,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(name="Error")}}},
+        }
+    operation = {"summary": described["summary"], "responses": responses}
+    return operation | {k: described[k] for k in ("parameters", "requestBody") if k in described}
 
 
 def _summary_of(route: Route) -> str:

@@ -18,6 +18,7 @@ from switchyard.ingress.auth import Gate
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.edge import EdgeLimits, edge_protocol
 from switchyard.ingress.errors import IngressError
+from switchyard.ingress.files import FileStore, FilesUnavailable, files_routes
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.tokenizer import ModelTokenizer
 from switchyard.ingress.usage import UsageRecorder
@@ -25,6 +26,7 @@ from switchyard.observability import BusStats, ServingMetrics, connect, subscrib
 from switchyard.schemas import subjects
 
 log = logging.getLogger(__name__)
+_JETSTREAM_TIMEOUT_S = 10.0  # one JetStream API call or chunk ack of the Files API
 
 
 class ServiceError(IngressError):
@@ -56,8 +58,17 @@ class IngressService:
         sock = _bind(cfg.host, cfg.port)
         async with connect(cfg.nats_url, cfg.ingress_id, self.stats, cfg.nats_client) as nc:
             self.usage = UsageRecorder(nc, cfg, self.metrics)
+            self.files = await _file_store(nc, cfg)
             ingress = Ingress(
-                cfg, self.tokenizer, nc, self.router, self.metrics, self.stats, self.gate, self.usage.on_finished
+                cfg,
+                self.tokenizer,
+                nc,
+                self.router,
+                self.metrics,
+                self.stats,
+                self.gate,
+                self.usage.on_finished,
+                routes=files_routes(lambda: self.files),
             )
             server = _Server(
                 uvicorn.Config(
@@ -95,6 +106,17 @@ class IngressService:
     async def _serve_http(server: uvicorn.Server, sock: socket.socket, scope: anyio.CancelScope) -> None:
         await server.serve(sockets=[sock])
         scope.cancel()  # the server stopped on its own: the ingress stops with it
+
+
+async def _file_store(nc, cfg: IngressConfig) -> FileStore:
+    """The Files API's store, its buckets opened (or created) now if JetStream is there; if not,
+    its routes answer 503 and it tries again on each call."""
+    store = FileStore(nc.jetstream(timeout=_JETSTREAM_TIMEOUT_S), max_bytes=cfg.files.max_bytes)
+    try:
+        await store.ensure()
+    except FilesUnavailable as exc:
+        log.warning("the Files API is unavailable until JetStream answers: %s", exc.message)
+    return store
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -3,7 +3,7 @@
 if __name__ != "switchyard.schemas":  # one module, one name: the wheel installs only `switchyard`
     raise ImportError(f"import switchyard.schemas, not {__name__}")
 
-from switchyard.schemas import batch, codec, permissions, subjects, usage
+from switchyard.schemas import batch, codec, files, permissions, subjects, usage
 from switchyard.schemas.codec import Codec
 from switchyard.schemas.config import ConfigStruct, PositiveInt, setting
 from switchyard.schemas.errors import SwitchyardError
@@ -20,6 +20,7 @@ __all__ = [
     "UsageRecord",
     "batch",
     "codec",
+    "files",
     "lazy_attributes",
     "permissions",
     "setting",

@@ -12,7 +12,10 @@ credentials cannot act as another:
   it publishes tokens only under its own id, so it cannot pass as another worker;
 - the scheduler dispatches and keeps its JetStream buckets (sessions, its lease);
 - an ingress also writes usage records to JetStream: it may create the usage stream and
-  publish records, never change, purge or delete the stream nor read it (billing's data).
+  publish records, never change, purge or delete the stream nor read it (billing's data);
+- an ingress keeps the Files API's two buckets (``file_store``): it may create them, write,
+  read, list and purge objects in them, never update or delete the buckets themselves, and
+  no other stream or bucket.
 
 Replies travel by NATS's ``allow_responses``: a role that answers requests may publish
 once to the reply subject of each request it received, and nowhere else in ``_INBOX``.
@@ -29,7 +32,7 @@ from typing import Literal
 
 import msgspec
 
-from switchyard.schemas import subjects, usage
+from switchyard.schemas import files, subjects, usage
 
 Role = Literal["scheduler", "worker", "ingress", "admin"]
 
@@ -83,11 +86,45 @@ def ingress() -> Permissions:
         # Usage records: the stream is created if missing (the same config again is a no-op;
         # another is refused, not applied), and each record's JetStream ack comes back on the
         # ingress's inbox.
-        publish=(subjects.SUBMIT, subjects.CANCEL, subjects.every_usage(), f"$JS.API.STREAM.CREATE.{usage.STREAM}"),
+        publish=(
+            subjects.SUBMIT,
+            subjects.CANCEL,
+            subjects.every_usage(),
+            f"$JS.API.STREAM.CREATE.{usage.STREAM}",
+            *file_store(),
+        ),
         # Roll calls: a new scheduler may not know what the last one had queued (streams).
         subscribe=(subjects.stream("*", "*"), subjects.ROLL_CALL, f"{INGRESS_INBOX}.>"),
         inbox_prefix=INGRESS_INBOX,
     )
+
+
+# --- the Files API's buckets (schemas.files) ------------------------------------------------------
+
+
+def file_store() -> tuple[str, ...]:
+    """What ``ingress.files.FileStore`` publishes: the JetStream API of its two buckets' streams
+    (create, look up, read a message, purge an object's chunks, ordered consumers to read and
+    list, their flow control) and the buckets' own subjects. Not STREAM.UPDATE, nor DELETE:
+    a bucket that exists keeps its configuration and its files. Replies come back to the
+    user's inbox, which it subscribes to already."""
+    rights: list[str] = []
+    for stream in (files.OBJECT_STREAM, files.METADATA_STREAM):
+        api = f"$JS.API.{{}}.{stream}"
+        rights += [
+            api.format("STREAM.CREATE"),
+            api.format("STREAM.INFO"),
+            api.format("STREAM.MSG.GET"),
+            api.format("DIRECT.GET"),
+            api.format("DIRECT.GET") + ".>",
+            api.format("CONSUMER.CREATE"),
+            api.format("CONSUMER.CREATE") + ".>",
+            api.format("CONSUMER.INFO") + ".*",
+            api.format("CONSUMER.DELETE") + ".*",
+            f"$JS.FC.{stream}.>",
+        ]
+    rights.append(f"$JS.API.STREAM.PURGE.{files.OBJECT_STREAM}")  # an object's chunks, by subject
+    return (*rights, f"$O.{files.OBJECT_BUCKET}.>", f"$KV.{files.METADATA_BUCKET}.>")
 
 
 def admin() -> Permissions:

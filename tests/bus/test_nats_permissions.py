@@ -21,10 +21,11 @@ import pytest
 from nats.aio.client import Client
 
 from switchyard import nats_auth, procs
+from switchyard.ingress.files import FileStore
 from switchyard.observability import BusAuthError, BusStats, NatsClientConfig, connect, redacted, subscribe
 from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.scheduler.service import SchedulerService
-from switchyard.schemas import subjects
+from switchyard.schemas import files, subjects
 
 pytestmark = pytest.mark.anyio
 
@@ -216,3 +217,38 @@ async def test_tls_to_an_external_server_is_one_setting(tls_server: tuple[str, P
         assert nc.connected_url is not None
     with pytest.raises(ssl.SSLCertVerificationError):  # without the CA, nobody vouches for it
         await nats_py.connect(url, allow_reconnect=False, connect_timeout=2, tls=ssl.create_default_context())
+
+
+# --- the Files API's buckets (schemas.permissions.file_store) -----------------------------------
+
+
+async def test_the_ingress_keeps_its_file_buckets_and_nothing_more(secured: Secured):
+    """Create the buckets, put, read, list and delete a file as the ingress user with no
+    refusal; then everything else about those streams (and other buckets) is refused."""
+    stats = BusStats()
+    async with secured.as_user("ingress", stats) as nc:
+        store = FileStore(nc.jetstream(timeout=5), max_bytes=1 << 20)
+        await store.ensure()
+        data = b"x" * 300_000  # three chunks
+        file = await store.put("in.jsonl", "batch", data, tenant="acme")
+        assert await store.read(file.id, tenant="acme") == data
+        assert [f.id for f in (await store.list(tenant="acme"))[0]] == [file.id]
+        assert await store.delete(file.id, tenant="acme")
+        assert stats.denied == 0
+        for stream in (files.OBJECT_STREAM, files.METADATA_STREAM):
+            for api in ("STREAM.DELETE", "STREAM.UPDATE", "CONSUMER.DURABLE.CREATE"):
+                await _refused_request(nc, stats, f"$JS.API.{api}.{stream}")
+        await _refused_request(nc, stats, f"$JS.API.STREAM.PURGE.{files.METADATA_STREAM}")
+        await _refused_request(nc, stats, "$JS.API.STREAM.INFO.KV_switchyard_sessions")
+        await _refused_request(nc, stats, "$JS.API.STREAM.CREATE.OBJ_other")
+        await _refused_request(nc, stats, "$O.other.M.x")
+        await _refused_request(nc, stats, "$KV.switchyard_sessions.x")
+
+
+async def _refused_request(nc: Client, stats: BusStats, subject: str) -> None:
+    before = stats.denied
+    await nc.publish(subject, b"{}", reply=nc.new_inbox())
+    await nc.flush()
+    with anyio.fail_after(5):
+        while stats.denied == before:
+            await anyio.sleep(0.01)

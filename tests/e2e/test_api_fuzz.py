@@ -30,6 +30,9 @@ ENDPOINTS = {
     "/health",
     "/metrics",
     "/openapi.json",
+    "/v1/files",
+    "/v1/files/{file_id}",
+    "/v1/files/{file_id}/content",
 }
 
 scalars = st.one_of(
