@@ -21,14 +21,14 @@ import msgspec
 
 from switchyard.ingress.errors import InvalidRequest
 from switchyard.ingress.openai_types import ChatCompletionRequest, CompletionRequest, decode_body
-from switchyard.schemas.batch import ENDPOINTS, BatchError, LineResult
+from switchyard.schemas import batch as schema
 
 MAX_ERRORS = 100  # a file of a million bad lines is reported by its first hundred
 _BODIES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
 }
-assert set(_BODIES) == set(ENDPOINTS)
+assert set(_BODIES) == set(schema.ENDPOINTS)
 
 
 class _InputLine(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,13 +48,13 @@ class Line(msgspec.Struct, frozen=True, kw_only=True):
 
 class Checked(msgspec.Struct, frozen=True, kw_only=True):
     lines: list[Line]
-    errors: list[BatchError]
+    errors: list[schema.BatchError]
 
 
 def check_input(data: bytes, endpoint: str, model: str, *, max_lines: int) -> Checked:
     """Every line of an input file, checked; ``errors`` empty means the batch may run."""
     lines: list[Line] = []
-    errors: list[BatchError] = []
+    errors: list[schema.BatchError] = []
     seen: set[str] = set()
     raw_lines = data.splitlines()
     for number, raw in enumerate(raw_lines, start=1):
@@ -72,16 +72,18 @@ def check_input(data: bytes, endpoint: str, model: str, *, max_lines: int) -> Ch
         if len(errors) >= MAX_ERRORS:
             break
     if not errors and not lines:
-        errors.append(BatchError(code="empty_file", message="The input file holds no requests."))
+        errors.append(schema.BatchError(code="empty_file", message="The input file holds no requests."))
     if len(lines) > max_lines:
         errors.append(
-            BatchError(code="too_many_requests", message=f"The file holds {len(lines)} requests; at most {max_lines}.")
+            schema.BatchError(
+                code="too_many_requests", message=f"The file holds {len(lines)} requests; at most {max_lines}."
+            )
         )
     return Checked(lines=lines if not errors else [], errors=errors)
 
 
 class _LineError(Exception):
-    def __init__(self, error: BatchError) -> None:
+    def __init__(self, error: schema.BatchError) -> None:
         self.error = error
 
 
@@ -112,14 +114,14 @@ def check_line(raw: bytes, number: int, endpoint: str, model: str) -> Line:
     return Line(line=number, custom_id=line.custom_id, body=body.decode())
 
 
-def _error(code: str, message: str, line: int, param: str | None = None) -> BatchError:
-    return BatchError(code=code, message=message, param=param, line=line)
+def _error(code: str, message: str, line: int, param: str | None = None) -> schema.BatchError:
+    return schema.BatchError(code=code, message=message, param=param, line=line)
 
 
 # --- output --------------------------------------------------------------------------------------
 
 
-def output_line(result: LineResult) -> dict[str, Any]:
+def output_line(result: schema.LineResult) -> dict[str, Any]:
     """OpenAI's output (or error) file line of one result."""
     response = None
     if result.status_code is not None:
@@ -129,12 +131,12 @@ def output_line(result: LineResult) -> dict[str, Any]:
     return {"id": _request_id(result), "custom_id": result.custom_id, "response": response, "error": error}
 
 
-def _request_id(result: LineResult) -> str:
+def _request_id(result: schema.LineResult) -> str:
     digest = hashlib.blake2b(f"{result.batch_id}/{result.custom_id}".encode(), digest_size=12).hexdigest()
     return f"batch_req_{digest}"
 
 
-def output_files(results: list[LineResult]) -> tuple[bytes, bytes]:
+def output_files(results: list[schema.LineResult]) -> tuple[bytes, bytes]:
     """The output file (200s) and the error file (the rest), each ordered by input line."""
     ordered = sorted(results, key=lambda r: r.line)
     encode = msgspec.json.encode

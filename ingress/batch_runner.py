@@ -57,21 +57,7 @@ from switchyard.ingress.errors import ApiError
 from switchyard.ingress.files import FileStore
 from switchyard.observability import BusStats, connect, subscribe
 from switchyard.schemas import ClusterStatus, StatusRequest, codec, subjects
-from switchyard.schemas.batch import (
-    JOB_SUBMIT,
-    RUNNER_QUEUE,
-    WORK_ITEM,
-    WORK_STREAM,
-    Batch,
-    BatchError,
-    JobAccepted,
-    JobRejected,
-    LineError,
-    LineResult,
-    RequestCounts,
-    WorkItem,
-    encode,
-)
+from switchyard.schemas import batch as schema
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +100,13 @@ class FairPicker:
         self._batch_turn.pop(batch_id, None)
 
 
-def mode_of(batch: Batch, now: int) -> Mode:
+def mode_of(batch: schema.Batch, now: int) -> Mode:
     if batch.status == "cancelling":
         return "cancel"
     return "expire" if now >= batch.expires_at else "run"
 
 
-def final_status(batch: Batch, results: list[LineResult]) -> Literal["completed", "cancelled", "expired"]:
+def final_status(batch: schema.Batch, results: list[schema.LineResult]) -> Literal["completed", "cancelled", "expired"]:
     if batch.cancelling_at is not None:
         return "cancelled"
     if any(r.error is not None and r.error.code == "batch_expired" for r in results):
@@ -128,23 +114,25 @@ def final_status(batch: Batch, results: list[LineResult]) -> Literal["completed"
     return "completed"
 
 
-def finished(batch: Batch, status: str, counts: RequestCounts, output: str | None, errors: str | None) -> Batch:
+def finished(
+    batch: schema.Batch, status: str, counts: schema.RequestCounts, output: str | None, errors: str | None
+) -> schema.Batch:
     stamp = {f"{status}_at": now_s()}
     return msgspec.structs.replace(
         batch, status=status, request_counts=counts, output_file_id=output, error_file_id=errors, **stamp
     )
 
 
-def counts_of(total: int, results: list[LineResult]) -> RequestCounts:
+def counts_of(total: int, results: list[schema.LineResult]) -> schema.RequestCounts:
     ok = sum(r.ok for r in results)
-    return RequestCounts(total=total, completed=ok, failed=len(results) - ok)
+    return schema.RequestCounts(total=total, completed=ok, failed=len(results) - ok)
 
 
 @dataclass
 class _Active:
     """A batch this runner pulls from."""
 
-    batch: Batch
+    batch: schema.Batch
     sub: Any  # JetStreamContext.PullSubscription
     in_flight: int = 0
     empty_until: float = 0.0  # monotonic: its consumer had nothing; asked again after
@@ -188,9 +176,10 @@ class BatchRunner:
                 self._tg = tg
                 tg.start_soon(self._scan_loop)
                 tg.start_soon(
-                    self._advisories, await subscribe(nc, subjects.batch_max_deliveries(WORK_STREAM), RUNNER_QUEUE)
+                    self._advisories,
+                    await subscribe(nc, subjects.batch_max_deliveries(schema.WORK_STREAM), schema.RUNNER_QUEUE),
                 )
-                tg.start_soon(self._submits, await subscribe(nc, subjects.BATCH_SUBMIT, RUNNER_QUEUE))
+                tg.start_soon(self._submits, await subscribe(nc, subjects.BATCH_SUBMIT, schema.RUNNER_QUEUE))
                 await nc.flush()
                 log.info("batch runner %s sending lines to %s", cfg.runner_id, cfg.ingress_url)
                 task_status.started()
@@ -273,7 +262,7 @@ class BatchRunner:
 
     async def _execute(self, active: _Active, msg: Msg, slots: anyio.Semaphore) -> None:
         try:
-            item = WORK_ITEM.decode(msg.data)
+            item = schema.WORK_ITEM.decode(msg.data)
         except msgspec.DecodeError:
             log.error("undecodable work item on %s: dropped", msg.subject)
             await msg.term()
@@ -293,7 +282,7 @@ class BatchRunner:
             active.in_flight -= 1
             slots.release()
 
-    async def _run_line(self, active: _Active, item: WorkItem, msg: Msg) -> None:
+    async def _run_line(self, active: _Active, item: schema.WorkItem, msg: Msg) -> None:
         if await self.store.has_result(item.batch_id, item.custom_id):
             await msg.ack()  # run before; its ack was lost or its runner died after storing
             return
@@ -305,7 +294,7 @@ class BatchRunner:
         if result is not None:
             await self._settle(item, msg, result)
 
-    async def _post(self, item: WorkItem, msg: Msg) -> LineResult | None:
+    async def _post(self, item: schema.WorkItem, msg: Msg) -> schema.LineResult | None:
         """The line's result, or None when it was handed back to run again (``nak``)."""
         delivered = msg.metadata.num_delivered
         response: httpx.Response | None = None
@@ -325,7 +314,7 @@ class BatchRunner:
             return None
         if response is None:
             return _error(item, "max_deliveries", f"No answer after {delivered} deliveries: {why}")
-        return LineResult(
+        return schema.LineResult(
             batch_id=item.batch_id,
             custom_id=item.custom_id,
             line=item.line,
@@ -342,14 +331,14 @@ class BatchRunner:
             headers[TENANT_HEADER] = tenant
         return headers
 
-    async def _settle(self, item: WorkItem, msg: Msg | None, result: LineResult) -> None:
+    async def _settle(self, item: schema.WorkItem, msg: Msg | None, result: schema.LineResult) -> None:
         """Store the result (unless the line has one), count it, then ack the line."""
         with anyio.CancelScope(shield=True):
             await self._store_result(result)
             if msg is not None:
                 await msg.ack()
 
-    async def _store_result(self, result: LineResult) -> None:
+    async def _store_result(self, result: schema.LineResult) -> None:
         if not await self.store.put_result(result):
             return
         self.lines_run += 1
@@ -371,27 +360,27 @@ class BatchRunner:
 
     async def _give_up(self, seq: int) -> None:
         try:
-            raw = await self.store.js.get_msg(WORK_STREAM, seq=seq)
+            raw = await self.store.js.get_msg(schema.WORK_STREAM, seq=seq)
         except NotFoundError:
             return  # acked or swept meanwhile
         assert raw.data is not None
-        item = WORK_ITEM.decode(raw.data)
+        item = schema.WORK_ITEM.decode(raw.data)
         message = f"The line was delivered {self.config.max_deliver} times and never finished."
         await self._settle(item, None, _error(item, "max_deliveries", message))
         try:
-            await self.store.js.delete_msg(WORK_STREAM, seq)
+            await self.store.js.delete_msg(schema.WORK_STREAM, seq)
         except NotFoundError:
             pass
         log.warning("line %d of %s: out of deliveries, an error line", item.line, item.batch_id)
 
-    async def _sweep(self, batch: Batch) -> None:
+    async def _sweep(self, batch: schema.Batch) -> None:
         """What is left of an idle batch's lines on the stream (nothing pending nor in flight):
         lines whose advisory was missed."""
         subject = subjects.batch_work(batch.tenant, batch.id)
         seq = 1
         while True:
             try:
-                raw = await self.store.js.get_msg(WORK_STREAM, seq=seq, subject=subject, next=True)
+                raw = await self.store.js.get_msg(schema.WORK_STREAM, seq=seq, subject=subject, next=True)
             except NotFoundError:
                 return
             assert raw.seq is not None
@@ -421,13 +410,13 @@ class BatchRunner:
             with anyio.CancelScope(shield=True):
                 await ended.sub.unsubscribe()
 
-    async def _track(self, batch: Batch) -> None:
+    async def _track(self, batch: schema.Batch) -> None:
         active = self._active.get(batch.id)
         if active is None:
             sub = await self.store.js.pull_subscribe(
                 subjects.batch_work(batch.tenant, batch.id),
                 durable=BatchStore.consumer_name(batch.id),
-                stream=WORK_STREAM,
+                stream=schema.WORK_STREAM,
                 config=BatchStore.consumer_config(
                     batch, ack_wait_s=self.config.ack_wait_s, max_deliver=self.config.max_deliver
                 ),
@@ -451,7 +440,7 @@ class BatchRunner:
         """A batch with nothing pending, in flight or unacked, and lines without results: its
         counts lost a result (a runner died between storing and counting), or lines are out of
         deliveries and their advisory was missed."""
-        info = await self.store.js.consumer_info(WORK_STREAM, BatchStore.consumer_name(active.batch.id))
+        info = await self.store.js.consumer_info(schema.WORK_STREAM, BatchStore.consumer_name(active.batch.id))
         idle = info.num_pending == 0 and info.num_ack_pending == 0 and active.in_flight == 0
         active.idle_scans = active.idle_scans + 1 if idle else 0
         if active.idle_scans < _IDLE_SCANS_BEFORE_SWEEP:
@@ -481,7 +470,7 @@ class BatchRunner:
     async def _write_outputs(self, batch_id: str) -> None:
         stale = now_s() - _STALE_FINALIZING_S
 
-        def begin(b: Batch) -> Batch | None:
+        def begin(b: schema.Batch) -> schema.Batch | None:
             if b.status in ("in_progress", "cancelling") and b.request_counts.done >= b.request_counts.total:
                 return msgspec.structs.replace(b, status="finalizing", finalizing_at=now_s())
             if b.status == "finalizing" and (b.finalizing_at or 0) <= stale:  # taken over from a dead runner
@@ -504,7 +493,7 @@ class BatchRunner:
             await self.store.drop_consumer(batch_id)
             log.info("batch %s %s: %d completed, %d failed", batch_id, status, counts.completed, counts.failed)
 
-    async def _put_file(self, batch: Batch, kind: str, data: bytes) -> str | None:
+    async def _put_file(self, batch: schema.Batch, kind: str, data: bytes) -> str | None:
         """One of the batch's files (none for no lines): its id."""
         if not data:
             return None
@@ -522,9 +511,9 @@ class BatchRunner:
                 reply = await _submit(maker, msg.data)
             except Exception as exc:
                 log.exception("job submit")
-                reply = JobRejected(errors=[BatchError(code="internal_error", message=repr(exc))])
+                reply = schema.JobRejected(errors=[schema.BatchError(code="internal_error", message=repr(exc))])
             if msg.reply:
-                await msg.respond(encode(reply))
+                await msg.respond(schema.encode(reply))
 
     async def _served_model(self) -> str:
         headers = {"authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -533,13 +522,13 @@ class BatchRunner:
         return str(response.json()["data"][0]["id"])
 
 
-async def _submit(maker: BatchMaker, data: bytes) -> JobAccepted | JobRejected:
+async def _submit(maker: BatchMaker, data: bytes) -> schema.JobAccepted | schema.JobRejected:
     try:
-        submit = JOB_SUBMIT.decode(data)
+        submit = schema.JOB_SUBMIT.decode(data)
         maker.check_request(submit.endpoint, submit.completion_window, submit.metadata)
     except (msgspec.DecodeError, ApiError) as exc:
-        return JobRejected(
-            errors=[BatchError(code="invalid_request", message=str(exc), param=getattr(exc, "param", None))]
+        return schema.JobRejected(
+            errors=[schema.BatchError(code="invalid_request", message=str(exc), param=getattr(exc, "param", None))]
         )
     lines = b"".join(
         msgspec.json.encode({"custom_id": j.custom_id, "method": "POST", "url": submit.endpoint, "body": j.body})
@@ -555,8 +544,8 @@ async def _submit(maker: BatchMaker, data: bytes) -> JobAccepted | JobRejected:
         data=lines,
     )
     if batch.status == "failed":
-        return JobRejected(errors=batch.errors.data if batch.errors else [])
-    return JobAccepted(batch=batch)
+        return schema.JobRejected(errors=batch.errors.data if batch.errors else [])
+    return schema.JobAccepted(batch=batch)
 
 
 async def _keep_in_progress(msg: Msg, every_s: float) -> None:
@@ -566,15 +555,18 @@ async def _keep_in_progress(msg: Msg, every_s: float) -> None:
         await msg.in_progress()
 
 
-def _dropped(item: WorkItem, mode: Mode) -> LineResult:
+def _dropped(item: schema.WorkItem, mode: Mode) -> schema.LineResult:
     if mode == "cancel":
         return _error(item, "batch_cancelled", "The batch was cancelled before this request finished.")
     return _error(item, "batch_expired", "The batch expired before this request could run.")
 
 
-def _error(item: WorkItem, code: str, message: str) -> LineResult:
-    return LineResult(
-        batch_id=item.batch_id, custom_id=item.custom_id, line=item.line, error=LineError(code=code, message=message)
+def _error(item: schema.WorkItem, code: str, message: str) -> schema.LineResult:
+    return schema.LineResult(
+        batch_id=item.batch_id,
+        custom_id=item.custom_id,
+        line=item.line,
+        error=schema.LineError(code=code, message=message),
     )
 
 

@@ -37,21 +37,8 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from switchyard.ingress.errors import ApiError, Unavailable
+from switchyard.schemas import batch as schema
 from switchyard.schemas import subjects
-from switchyard.schemas.batch import (
-    BATCH,
-    BATCHES_BUCKET,
-    LINE_RESULT,
-    RESULTS_BUCKET,
-    WORK_STREAM,
-    Batch,
-    LineResult,
-    RequestCounts,
-    WorkItem,
-    encode,
-    result_key,
-    results_of,
-)
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +94,10 @@ class BatchStore:
             raise Unavailable(f"Batch storage (JetStream) is unavailable: {exc!r}", retry_after_s=1.0) from None
 
     async def _open(self) -> None:
-        self._records = await self._bucket(BATCHES_BUCKET)
-        self._results = await self._bucket(RESULTS_BUCKET)
+        self._records = await self._bucket(schema.BATCHES_BUCKET)
+        self._results = await self._bucket(schema.RESULTS_BUCKET)
         config = StreamConfig(
-            name=WORK_STREAM,
+            name=schema.WORK_STREAM,
             subjects=[subjects.every_batch_work()],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
@@ -119,7 +106,7 @@ class BatchStore:
         try:
             await self._js.add_stream(config)
         except BadRequestError:  # it exists with another configuration (an operator's): kept
-            await self._js.stream_info(WORK_STREAM)
+            await self._js.stream_info(schema.WORK_STREAM)
 
     async def _bucket(self, name: str) -> KeyValue:
         try:
@@ -139,42 +126,42 @@ class BatchStore:
 
     # --- records ------------------------------------------------------------------------------
 
-    async def create(self, batch: Batch) -> None:
-        await self.records.create(batch.id, encode(batch))
+    async def create(self, batch: schema.Batch) -> None:
+        await self.records.create(batch.id, schema.encode(batch))
 
-    async def get(self, batch_id: str) -> Batch | None:
+    async def get(self, batch_id: str) -> schema.Batch | None:
         try:
             entry = await self.records.get(batch_id)
         except (KeyNotFoundError, NotFoundError):
             return None
-        return BATCH.decode(entry.value) if entry.value else None
+        return schema.BATCH.decode(entry.value) if entry.value else None
 
-    async def visible(self, batch_id: str, tenant: str) -> Batch:
+    async def visible(self, batch_id: str, tenant: str) -> schema.Batch:
         """The tenant's batch, or 404: another tenant's batches do not exist for it."""
         batch = await self.get(batch_id) if _valid_key(batch_id) else None
         if batch is None or batch.tenant != tenant:
             raise BatchNotFound(batch_id)
         return batch
 
-    async def update(self, batch_id: str, change: Callable[[Batch], Batch | None]) -> Batch | None:
+    async def update(self, batch_id: str, change: Callable[[schema.Batch], schema.Batch | None]) -> schema.Batch | None:
         """Apply ``change`` by compare-and-set, again on a conflict; ``change`` returning None
         (or the record unchanged) writes nothing. Returns the record as written, or None."""
         for _ in range(_CAS_TRIES):
             entry = await self.records.get(batch_id)
             assert entry.value is not None
-            current = BATCH.decode(entry.value)
+            current = schema.BATCH.decode(entry.value)
             changed = change(current)
             if changed is None or changed == current:
                 return None
             try:
-                await self.records.update(batch_id, encode(changed), last=entry.revision)
+                await self.records.update(batch_id, schema.encode(changed), last=entry.revision)
             except KeyWrongLastSequenceError:
                 await anyio.lowlevel.checkpoint()
                 continue
             return changed
         raise ApiError(f"batch {batch_id}: its record kept changing under {_CAS_TRIES} updates")
 
-    async def all(self) -> list[Batch]:
+    async def all(self) -> list[schema.Batch]:
         try:
             keys = await self.records.keys()
         except NoKeysError:
@@ -182,25 +169,25 @@ class BatchStore:
         found = [await self.get(k) for k in keys]
         return [b for b in found if b is not None]
 
-    async def of_tenant(self, tenant: str) -> list[Batch]:
+    async def of_tenant(self, tenant: str) -> list[schema.Batch]:
         """Newest first."""
         mine = [b for b in await self.all() if b.tenant == tenant]
         return sorted(mine, key=lambda b: (b.created_at, b.id), reverse=True)
 
     # --- the work queue -----------------------------------------------------------------------
 
-    async def enqueue(self, items: list[WorkItem]) -> None:
+    async def enqueue(self, items: list[schema.WorkItem]) -> None:
         """Every item on the work queue, acked by JetStream, ``_ENQUEUE_AT_ONCE`` in flight."""
         for start in range(0, len(items), _ENQUEUE_AT_ONCE):
             async with anyio.create_task_group() as tg:
                 for item in items[start : start + _ENQUEUE_AT_ONCE]:
                     tg.start_soon(self._publish, item)
 
-    async def _publish(self, item: WorkItem) -> None:
+    async def _publish(self, item: schema.WorkItem) -> None:
         await self._js.publish(
             subjects.batch_work(item.tenant, item.batch_id),
-            encode(item),
-            stream=WORK_STREAM,
+            schema.encode(item),
+            stream=schema.WORK_STREAM,
             headers={"Nats-Msg-Id": f"{item.batch_id}/{item.line}"},
         )
 
@@ -209,7 +196,7 @@ class BatchStore:
         return batch_id  # batch_<hex>: a valid durable name, one per batch
 
     @staticmethod
-    def consumer_config(batch: Batch, *, ack_wait_s: float, max_deliver: int) -> ConsumerConfig:
+    def consumer_config(batch: schema.Batch, *, ack_wait_s: float, max_deliver: int) -> ConsumerConfig:
         return ConsumerConfig(
             durable_name=BatchStore.consumer_name(batch.id),
             filter_subject=subjects.batch_work(batch.tenant, batch.id),
@@ -222,56 +209,56 @@ class BatchStore:
 
     async def drop_consumer(self, batch_id: str) -> None:
         try:
-            await self._js.delete_consumer(WORK_STREAM, self.consumer_name(batch_id))
+            await self._js.delete_consumer(schema.WORK_STREAM, self.consumer_name(batch_id))
         except NotFoundError:
             pass
 
     # --- results ------------------------------------------------------------------------------
 
-    async def put_result(self, result: LineResult) -> bool:
+    async def put_result(self, result: schema.LineResult) -> bool:
         """The line's result, unless it has one: True when this one is stored."""
         try:
-            await self.results.create(result_key(result.batch_id, result.custom_id), encode(result))
+            await self.results.create(schema.result_key(result.batch_id, result.custom_id), schema.encode(result))
         except KeyWrongLastSequenceError:
             return False
         return True
 
     async def has_result(self, batch_id: str, custom_id: str) -> bool:
         try:
-            await self.results.get(result_key(batch_id, custom_id))
+            await self.results.get(schema.result_key(batch_id, custom_id))
         except (KeyNotFoundError, NotFoundError):
             return False
         return True
 
-    async def results_of(self, batch_id: str) -> list[LineResult]:
+    async def results_of(self, batch_id: str) -> list[schema.LineResult]:
         """Every result of one batch, read from the bucket's stream (one message each)."""
-        subject = f"$KV.{RESULTS_BUCKET}.{results_of(batch_id)}"
-        info = await self._js.stream_info(f"KV_{RESULTS_BUCKET}", subjects_filter=subject)
+        subject = f"$KV.{schema.RESULTS_BUCKET}.{schema.results_of(batch_id)}"
+        info = await self._js.stream_info(f"KV_{schema.RESULTS_BUCKET}", subjects_filter=subject)
         expected = (info.state.subjects or {}) if info.state else {}
         if not expected:
             return []
-        found: dict[str, LineResult] = {}
+        found: dict[str, schema.LineResult] = {}
         sub = await self._js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         try:
             while len(found) < len(expected):
                 msg = await sub.next_msg(timeout=5.0)
-                result = LINE_RESULT.decode(msg.data)
+                result = schema.LINE_RESULT.decode(msg.data)
                 found[result.custom_id] = result
         finally:
             await sub.unsubscribe()
         return list(found.values())
 
-    async def recount(self, batch_id: str) -> RequestCounts:
+    async def recount(self, batch_id: str) -> schema.RequestCounts:
         results = await self.results_of(batch_id)
         ok = sum(r.ok for r in results)
         batch = await self.get(batch_id)
         total = batch.request_counts.total if batch else len(results)
-        return RequestCounts(total=total, completed=ok, failed=len(results) - ok)
+        return schema.RequestCounts(total=total, completed=ok, failed=len(results) - ok)
 
-    async def count(self, result: LineResult) -> Batch | None:
+    async def count(self, result: schema.LineResult) -> schema.Batch | None:
         """Add one stored result to its batch's ``request_counts``."""
 
-        def add(batch: Batch) -> Batch:
+        def add(batch: schema.Batch) -> schema.Batch:
             c = batch.request_counts
             counts = msgspec.structs.replace(c, completed=c.completed + result.ok, failed=c.failed + (not result.ok))
             return msgspec.structs.replace(batch, request_counts=counts)

@@ -28,16 +28,7 @@ from switchyard.ingress.batch_lines import Line, check_input
 from switchyard.ingress.batch_store import BatchConflict, BatchStore, new_batch_id, now_s
 from switchyard.ingress.errors import InvalidRequest
 from switchyard.ingress.openai_types import decode_body
-from switchyard.schemas.batch import (
-    BATCH_PRIORITY,
-    COMPLETION_WINDOWS,
-    ENDPOINTS,
-    Batch,
-    BatchError,
-    BatchErrors,
-    RequestCounts,
-    WorkItem,
-)
+from switchyard.schemas import batch as schema
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +73,12 @@ class BatchMaker:
         self.max_lines = max_lines
 
     def check_request(self, endpoint: str, window: str, metadata: dict[str, str] | None) -> None:
-        if endpoint not in ENDPOINTS:
-            raise InvalidRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}.", param="endpoint")
-        if window not in COMPLETION_WINDOWS:
-            windows = ", ".join(repr(w) for w in COMPLETION_WINDOWS)
+        if endpoint not in schema.ENDPOINTS:
+            raise InvalidRequest(
+                f"endpoint must be one of {', '.join(schema.ENDPOINTS)}, got {endpoint!r}.", param="endpoint"
+            )
+        if window not in schema.COMPLETION_WINDOWS:
+            windows = ", ".join(repr(w) for w in schema.COMPLETION_WINDOWS)
             raise InvalidRequest(f"completion_window must be {windows}, got {window!r}.", param="completion_window")
         if metadata is not None and (
             len(metadata) > MAX_METADATA_PAIRS
@@ -106,18 +99,18 @@ class BatchMaker:
         metadata: dict[str, str] | None,
         input_file_id: str | None,
         data: bytes,
-    ) -> Batch:
+    ) -> schema.Batch:
         """Check every line, then record the batch: ``failed`` with its errors, or ``in_progress``
         with every line on the work queue."""
         created = now_s()
-        batch = Batch(
+        batch = schema.Batch(
             id=new_batch_id(),
             endpoint=endpoint,
             input_file_id=input_file_id,
             completion_window=window,
             status="validating",
             created_at=created,
-            expires_at=created + COMPLETION_WINDOWS[window],
+            expires_at=created + schema.COMPLETION_WINDOWS[window],
             tenant=tenant,
             metadata=metadata,
             model=self.model,
@@ -129,7 +122,7 @@ class BatchMaker:
         if checked.errors:
             return await self._fail(batch, checked.errors)
         await self.store.enqueue([self._item(batch, line) for line in checked.lines])
-        counts = RequestCounts(total=len(checked.lines))
+        counts = schema.RequestCounts(total=len(checked.lines))
         started = await self.store.update(
             batch.id,
             lambda b: (
@@ -141,21 +134,23 @@ class BatchMaker:
         log.info("batch %s of tenant %s: %d lines queued", batch.id, tenant, counts.total)
         return started or await self.store.visible(batch.id, tenant)  # cancelled meanwhile
 
-    async def _fail(self, batch: Batch, errors: list[BatchError]) -> Batch:
-        failed = msgspec.structs.replace(batch, status="failed", failed_at=now_s(), errors=BatchErrors(data=errors))
+    async def _fail(self, batch: schema.Batch, errors: list[schema.BatchError]) -> schema.Batch:
+        failed = msgspec.structs.replace(
+            batch, status="failed", failed_at=now_s(), errors=schema.BatchErrors(data=errors)
+        )
         written = await self.store.update(batch.id, lambda _: failed)
         log.info("batch %s failed validation: %d errors, the first: %s", batch.id, len(errors), errors[0].message)
         return written or failed
 
-    def _item(self, batch: Batch, line: Line) -> WorkItem:
-        return WorkItem(
+    def _item(self, batch: schema.Batch, line: Line) -> schema.WorkItem:
+        return schema.WorkItem(
             batch_id=batch.id,
             custom_id=line.custom_id,
             line=line.line,
             body=line.body,
             endpoint=batch.endpoint,
             tenant=batch.tenant,
-            priority=BATCH_PRIORITY,
+            priority=schema.BATCH_PRIORITY,
         )
 
 
@@ -163,7 +158,7 @@ async def _off_loop_if_large(data: bytes, check):
     return check() if len(data) <= _CHECK_ON_LOOP_BYTES else await anyio.to_thread.run_sync(check)
 
 
-def cancelled(batch: Batch) -> Batch | None:
+def cancelled(batch: schema.Batch) -> schema.Batch | None:
     """The record moved to ``cancelling`` (None when it already is); 409 once it has ended."""
     if batch.status == "cancelling":
         return None
@@ -172,7 +167,7 @@ def cancelled(batch: Batch) -> Batch | None:
     raise BatchConflict(f"Cannot cancel a batch with status {batch.status!r}.", code="batch_not_cancellable")
 
 
-def page(batches: list[Batch], after: str | None, limit: int) -> dict[str, Any]:
+def page(batches: list[schema.Batch], after: str | None, limit: int) -> dict[str, Any]:
     """OpenAI's list shape over ``batches`` (newest first), after the id ``after``."""
     if after is not None:
         ids = [b.id for b in batches]
