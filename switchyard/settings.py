@@ -83,6 +83,15 @@ class UpConfig(ConfigStruct, frozen=True, kw_only=True):
         int, setting("crashes of one child within --restart-window-s before the stack stops (0: the first)", ge=0)
     ] = 5
     restart_window_s: Annotated[float, setting("how far back a child's crashes are counted", gt=0)] = 600.0
+    # What outlives the stack: the private nats-server's JetStream store (files, batches,
+    # usage records, sessions). One `up` at a time per folder (up.py holds its lock).
+    data_dir: Annotated[
+        str,
+        setting(
+            "where the private nats-server keeps JetStream (file storage), so files and batches survive a "
+            "restart; default: $XDG_DATA_HOME/switchyard, else ~/.local/share/switchyard"
+        ),
+    ] = ""
 
 
 # The service each command runs, and the tree that configures it.

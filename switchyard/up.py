@@ -24,8 +24,10 @@ spread over days never add up); ``--max-restarts 0`` stops it at the first.
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import json
+import os
 import signal
 import subprocess
 import tempfile
@@ -34,8 +36,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,16 +237,47 @@ def _external_nats(url: str, stack: ExitStack) -> tuple[str, Auth | None]:
 def _start_nats(p: Plan, stack: ExitStack, children: list[_Child]) -> tuple[str, Auth]:
     """The private nats-server, the first child (so the last stopped), supervised like the
     others; its port, JetStream store and users stay the same across restarts. It listens
-    on loopback only, and every service connects as its own user (``nats_auth``)."""
+    on loopback only, and every service connects as its own user (``nats_auth``). Its
+    JetStream store is in the data folder, which outlives this ``up``; its users are new
+    each time, in a temporary folder."""
     host, port = "127.0.0.1", procs.free_port()
-    store = stack.enter_context(tempfile.TemporaryDirectory(prefix="switchyard-nats-"))
+    store = stack.enter_context(data_store(data_dir(p.up.data_dir)))
+    scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="switchyard-nats-"))
     workers = [c.name for c in p.children if isinstance(c.config, WorkerConfig)]
-    auth = Auth(nats_auth.write(Path(store) / "auth", workers))
-    command = procs.nats_server_command(host, port, store, str(auth.files[nats_auth.SERVER_CONFIG]))
+    auth = Auth(nats_auth.write(Path(scratch) / "auth", workers))
+    command = procs.nats_server_command(host, port, str(store), str(auth.files[nats_auth.SERVER_CONFIG]))
     child = _Child("nats-server", command, procs.child_env(), subprocess.DEVNULL)
     children.append(child)
     procs.wait_for_port(host, port, 10.0, child.process)
     return f"nats://{host}:{port}", auth
+
+
+def data_dir(setting: str, env: Mapping[str, str] = os.environ) -> Path:
+    """``--data-dir``, or the user's data folder (XDG: ``$XDG_DATA_HOME``, else ``~/.local/share``)."""
+    if setting:
+        return Path(setting).expanduser()
+    xdg = env.get("XDG_DATA_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
+    return base / "switchyard"
+
+
+@contextmanager
+def data_store(folder: Path) -> Iterator[Path]:
+    """The JetStream store in ``folder`` (``nats/``), held for this ``up`` alone: two servers
+    on one store would corrupt it, so a second ``up`` on the same folder stops, saying why."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        held = open(folder / "up.lock", "a")  # held until the stack stops
+    except OSError as exc:
+        raise procs.ProcessError(f"data folder {folder}: {exc.strerror}") from None
+    with held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise procs.ProcessError(
+                f"data folder {folder} is in use by another `switchyard up`; give this one its own with --data-dir"
+            ) from None
+        yield folder / "nats"
 
 
 def up(p: Plan) -> int:
@@ -267,6 +300,7 @@ def up(p: Plan) -> int:
             url = f"http://{_display_host(ingress.host)}:{ingress.port}"
             _wait_ready(url, children, p.up.ready_timeout_s)
             admin = f", admin credentials {auth.files['admin']}" if auth is not None else ""
+            admin += "" if p.up.nats else f", data in {data_dir(p.up.data_dir)}"
             print(f"Switchyard is ready: {url}/v1 (NATS {redacted(nats_url)}{admin}). Ctrl-C stops it.", flush=True)
             return _supervise(children, p.up.max_restarts, p.up.restart_window_s)
     except _Stop as stop:

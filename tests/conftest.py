@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -11,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from switchyard.observability import tracing
 from switchyard.procs import nats_server
 
+DATA_DIR_ENV = "SWITCHYARD_DATA_DIR"  # up's --data-dir
 SPANS = InMemorySpanExporter()
 # One tracer provider per process (OpenTelemetry's rule): installed once, for every test.
 tracing.configure("switchyard-tests", "none", processor=SimpleSpanProcessor(SPANS))
@@ -23,6 +26,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@contextmanager
+def _data_dir(folder) -> Iterator[None]:
+    before = os.environ.get(DATA_DIR_ENV)
+    os.environ[DATA_DIR_ENV] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(DATA_DIR_ENV, None)
+        else:
+            os.environ[DATA_DIR_ENV] = before
+
+
+# Every `switchyard up` a test starts keeps its JetStream store in a fresh folder (one per
+# module for a module's stack, one per test inside it), never the user's data folder.
+@pytest.fixture(scope="module", autouse=True)
+def _module_data_dir(tmp_path_factory):
+    with _data_dir(tmp_path_factory.mktemp("data")):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_data_dir(tmp_path_factory):
+    with _data_dir(tmp_path_factory.mktemp("data")):
+        yield
 
 
 @pytest.fixture
