@@ -15,7 +15,8 @@ both make the same record and the same work items.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -31,6 +32,7 @@ from switchyard.ingress.openai_types import decode_body
 from switchyard.schemas import batch as schema
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 INPUT_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
@@ -182,6 +184,38 @@ def page(batches: list[schema.Batch], after: str | None, limit: int) -> dict[str
     }
 
 
+_BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_UNAVAILABLE = {"503": "JetStream (batch storage) is unavailable"}
+_NOT_FOUND = {"404": "no such batch for this tenant"}
+_CREATE_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["input_file_id", "endpoint", "completion_window"],
+                "properties": {
+                    "input_file_id": {"type": "string"},
+                    "endpoint": {"type": "string", "enum": list(schema.ENDPOINTS)},
+                    "completion_window": {"type": "string", "enum": list(schema.COMPLETION_WINDOWS)},
+                    "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+                },
+            }
+        }
+    },
+}
+
+
+def _openapi(**operation: Any) -> Callable[[_T], _T]:
+    """The route's OpenAPI operation, read by ``ingress.openapi`` (as ``ingress.files`` does)."""
+
+    def describe(handler: _T) -> _T:
+        setattr(handler, "openapi", {"errors": {}, **operation})  # noqa: B010 (a function's attribute)
+        return handler
+
+    return describe
+
+
 class BatchApi:
     """The routes, over a ``BatchMaker`` and the Files store."""
 
@@ -199,6 +233,12 @@ class BatchApi:
             Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
         ]
 
+    @_openapi(
+        summary="Create a batch from an uploaded file of requests (purpose batch)",
+        requestBody=_CREATE_BODY,
+        errors={"400": "a field, the endpoint, the window, or the file's purpose", "404": "no such file"}
+        | _UNAVAILABLE,
+    )
     async def create(self, request: Request) -> Response:
         """Create a batch from an uploaded file of requests"""
         await self.store.ensure()
@@ -225,12 +265,21 @@ class BatchApi:
         )
         return JSONResponse(batch.public())
 
+    @_openapi(summary="A batch, by its id", parameters=[_BATCH_ID], errors=_NOT_FOUND | _UNAVAILABLE)
     async def retrieve(self, request: Request) -> Response:
         """A batch, by its id"""
         await self.store.ensure()
         batch = await self.store.visible(request.path_params["batch_id"], caller_of(request).tenant)
         return JSONResponse(batch.public())
 
+    @_openapi(
+        summary="The caller's batches, newest first, in pages",
+        parameters=[
+            {"name": "after", "in": "query", "schema": {"type": "string"}},
+            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+        ],
+        errors={"400": "limit out of range"} | _UNAVAILABLE,
+    )
     async def list_batches(self, request: Request) -> Response:
         """The caller's batches, newest first"""
         await self.store.ensure()
@@ -241,6 +290,11 @@ class BatchApi:
         batches = await self.store.of_tenant(caller_of(request).tenant)
         return JSONResponse(page(batches, after, int(limit_text)))
 
+    @_openapi(
+        summary="Cancel a batch",
+        parameters=[_BATCH_ID],
+        errors=_NOT_FOUND | {"409": "the batch has ended"} | _UNAVAILABLE,
+    )
     async def cancel(self, request: Request) -> Response:
         """Cancel a batch: queued lines are dropped, lines in flight are cancelled"""
         await self.store.ensure()

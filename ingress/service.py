@@ -15,6 +15,8 @@ from anyio.abc import TaskStatus
 
 from switchyard.ingress.app import Ingress
 from switchyard.ingress.auth import Gate
+from switchyard.ingress.batch_store import BatchStore
+from switchyard.ingress.batches import BatchApi, BatchMaker
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.edge import EdgeLimits, edge_protocol
 from switchyard.ingress.errors import IngressError
@@ -68,7 +70,7 @@ class IngressService:
                 self.stats,
                 self.gate,
                 self.usage.on_finished,
-                routes=files_routes(lambda: self.files),
+                routes=[*files_routes(lambda: self.files), *batch_routes(nc, self.files, cfg, self.tokenizer)],
             )
             server = _Server(
                 uvicorn.Config(
@@ -117,6 +119,12 @@ async def _file_store(nc, cfg: IngressConfig) -> FileStore:
     except FilesUnavailable as exc:
         log.warning("the Files API is unavailable until JetStream answers: %s", exc.message)
     return store
+
+
+def batch_routes(nc, files: FileStore, cfg: IngressConfig, tokenizer: ModelTokenizer) -> list:
+    """The Batch API (``ingress.batches``); its JetStream storage is opened on first use."""
+    maker = BatchMaker(BatchStore(nc, timeout_s=_JETSTREAM_TIMEOUT_S), cfg.served_model_name or tokenizer.info.name)
+    return BatchApi(maker, files, max_body_bytes=cfg.max_body_bytes).routes()
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -33,6 +33,9 @@ ENDPOINTS = {
     "/v1/files",
     "/v1/files/{file_id}",
     "/v1/files/{file_id}/content",
+    "/v1/batches",
+    "/v1/batches/{batch_id}",
+    "/v1/batches/{batch_id}/cancel",
 }
 
 scalars = st.one_of(
