@@ -64,6 +64,8 @@ _ID_RE = re.compile(r"file-[0-9a-f]{24}")
 _CONFIG_IN_USE = 10058  # JetStream: a stream of that name exists with another configuration
 _FORM_SLACK = 64 * 1024  # what a form may add to its file's bytes (boundaries, part headers, purpose)
 _STREAM_CHUNK = 256 * 1024
+_CHUNK_TIMEOUT_S = 10.0  # the longest wait for the next chunk of a file being read
+_LIST_TIMEOUT_S = 30.0  # the longest a listing may take to read a tenant's records
 
 
 class FileObject(msgspec.Struct, frozen=True, kw_only=True):
@@ -174,7 +176,8 @@ class FileStore:
             f"$O.{files.OBJECT_BUCKET}.C.{info.nuid}", stream=files.OBJECT_STREAM, ordered_consumer=True
         )
         try:
-            async for msg in sub.messages:
+            while True:  # each chunk within the timeout: chunks purged meanwhile never come
+                msg = await sub.next_msg(timeout=_CHUNK_TIMEOUT_S)
                 digest.update(msg.data)
                 await anyio.to_thread.run_sync(out.write, msg.data)
                 if msg.metadata.num_pending == 0:
@@ -263,7 +266,7 @@ class FileStore:
         consumer, read until it has caught up."""
         _, records = await self._open()
         found: builtins.list[FileObject] = []
-        with _bus_errors():
+        with _bus_errors(), anyio.fail_after(_LIST_TIMEOUT_S):
             watcher = await records.watch(f"{files.tenant_key(tenant)}.*", ignore_deletes=True)
             try:
                 async for entry in watcher:
