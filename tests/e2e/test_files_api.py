@@ -10,7 +10,8 @@ import pytest
 
 from switchyard.ingress.auth import KeyStore
 from switchyard.ingress.config import FilesConfig
-from tests.support.stack import running_stack
+from switchyard.procs import nats_server
+from tests.support.stack import MODEL, running_stack
 
 MAX_BYTES = 256 * 1024
 LINE = b'{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}\n'
@@ -134,3 +135,15 @@ def test_another_tenants_key_cannot_reach_the_file(stack, keys):
 def test_no_key_no_files(stack):
     assert httpx.get(stack.base_url + "/files").status_code == 401
     assert httpx.post(stack.base_url + "/files", files={"file": ("f", b"x")}).status_code == 401
+
+
+def test_without_jetstream_the_files_api_is_a_503_and_the_rest_serves():
+    with nats_server(jetstream=False) as plain, running_stack(plain.url) as bare:
+        anyone = openai.OpenAI(base_url=bare.base_url, api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            anyone.files.list()
+        assert unavailable.value.status_code == 503 and "JetStream" in unavailable.value.message
+        with pytest.raises(openai.InternalServerError):
+            anyone.files.create(file=("f.jsonl", LINE), purpose="batch")
+        reply = anyone.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
+        assert reply.usage.completion_tokens == 3
