@@ -233,12 +233,13 @@ class BatchStore:
     async def results_of(self, batch_id: str) -> list[schema.LineResult]:
         """Every result of one batch, read from the bucket's stream (one message each)."""
         subject = f"$KV.{schema.RESULTS_BUCKET}.{schema.results_of(batch_id)}"
-        info = await self._js.stream_info(f"KV_{schema.RESULTS_BUCKET}", subjects_filter=subject)
+        stream = f"KV_{schema.RESULTS_BUCKET}"
+        info = await self._js.stream_info(stream, subjects_filter=subject)
         expected = (info.state.subjects or {}) if info.state else {}
         if not expected:
             return []
         found: dict[str, schema.LineResult] = {}
-        sub = await self._js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        sub = await self._js.subscribe(subject, stream=stream, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         try:
             while len(found) < len(expected):
                 msg = await sub.next_msg(timeout=5.0)

@@ -15,7 +15,12 @@ credentials cannot act as another:
   publish records, never change, purge or delete the stream nor read it (billing's data);
 - an ingress keeps the Files API's two buckets (``file_store``): it may create them, write,
   read, list and purge objects in them, never update or delete the buckets themselves, and
-  no other stream or bucket.
+  no other stream or bucket;
+- batches (``batch_ingress``, ``batch_runner``): an ingress creates, reads and moves batch
+  records and puts lines on the work queue; a batch runner pulls and acks lines through
+  per-batch consumers, writes and reads results and output files, asks the scheduler's
+  status and answers bus-native submits; neither may delete or purge those streams, nor
+  touch another role's subjects.
 
 Replies travel by NATS's ``allow_responses``: a role that answers requests may publish
 once to the reply subject of each request it received, and nowhere else in ``_INBOX``.
@@ -32,12 +37,13 @@ from typing import Literal
 
 import msgspec
 
-from switchyard.schemas import files, subjects, usage
+from switchyard.schemas import batch, files, subjects, usage
 
-Role = Literal["scheduler", "worker", "ingress", "admin"]
+Role = Literal["scheduler", "worker", "ingress", "batch-runner", "admin"]
 
 DEFAULT_INBOX = "_INBOX"
 INGRESS_INBOX = f"{DEFAULT_INBOX}.ingress"  # where an ingress hears the scheduler's answers
+BATCH_RUNNER_INBOX = f"{DEFAULT_INBOX}.batch-runner"  # where a batch runner hears its answers
 
 
 class Permissions(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,6 +98,7 @@ def ingress() -> Permissions:
             subjects.every_usage(),
             f"$JS.API.STREAM.CREATE.{usage.STREAM}",
             *file_store(),
+            *batch_ingress(),
         ),
         # Roll calls: a new scheduler may not know what the last one had queued (streams).
         subscribe=(subjects.stream("*", "*"), subjects.ROLL_CALL, f"{INGRESS_INBOX}.>"),
@@ -125,6 +132,63 @@ def file_store() -> tuple[str, ...]:
         ]
     rights.append(f"$JS.API.STREAM.PURGE.{files.OBJECT_STREAM}")  # an object's chunks, by subject
     return (*rights, f"$O.{files.OBJECT_BUCKET}.>", f"$KV.{files.METADATA_BUCKET}.>")
+
+
+# --- batches (schemas.batch) ---------------------------------------------------------------------
+
+
+def _stream_api(stream: str, *operations: str) -> list[str]:
+    """The JetStream API subjects of ``operations`` on one stream (and what follows its name:
+    a consumer's name and filter, a direct get's subject)."""
+    return [f"$JS.API.{op}.{stream}{tail}" for op in operations for tail in ("", ".>")]
+
+
+_KV_READ = ("STREAM.INFO", "STREAM.MSG.GET", "DIRECT.GET", "CONSUMER.CREATE", "CONSUMER.INFO", "CONSUMER.DELETE")
+
+
+def _bucket(name: str) -> list[str]:
+    """A KV bucket created, opened, read, listed (an ordered consumer) and written."""
+    stream = f"KV_{name}"
+    return [*_stream_api(stream, "STREAM.CREATE", *_KV_READ), f"$JS.FC.{stream}.>", f"$KV.{name}.>"]
+
+
+def batch_ingress() -> tuple[str, ...]:
+    """The Batch API's rights at the ingress: batch records created, read, listed and moved
+    (compare-and-set), lines put on the work queue, the results bucket only created (it is
+    the runners' to write and read). Not STREAM.UPDATE, PURGE nor DELETE anywhere."""
+    results = f"KV_{batch.RESULTS_BUCKET}"
+    return (
+        *_bucket(batch.BATCHES_BUCKET),
+        f"$JS.API.STREAM.CREATE.{results}",
+        f"$JS.API.STREAM.INFO.{results}",
+        f"$JS.API.STREAM.CREATE.{batch.WORK_STREAM}",
+        f"$JS.API.STREAM.INFO.{batch.WORK_STREAM}",
+        subjects.every_batch_work(),
+    )
+
+
+def batch_runner() -> Permissions:
+    """A batch runner: the scheduler's status (headroom), the batch records and results, the
+    work queue through its per-batch durable consumers (created, pulled, acked, deleted once
+    a batch ends; a line out of deliveries read and removed), the output files, and the
+    bus-native submits it answers."""
+    work = batch.WORK_STREAM
+    return Permissions(
+        publish=(
+            subjects.SUBMIT,  # StatusRequest only: a runner submits nothing itself
+            *_bucket(batch.BATCHES_BUCKET),
+            *_bucket(batch.RESULTS_BUCKET),
+            *_stream_api(work, "STREAM.CREATE", "STREAM.INFO", "STREAM.MSG.GET", "STREAM.MSG.DELETE"),
+            *_stream_api(work, "CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.INFO", "CONSUMER.DELETE"),
+            *_stream_api(work, "CONSUMER.MSG.NEXT"),
+            f"$JS.ACK.{work}.>",
+            subjects.every_batch_work(),  # a JobSubmit's lines
+            *file_store(),
+        ),
+        subscribe=(subjects.BATCH_SUBMIT, subjects.batch_max_deliveries(work), f"{BATCH_RUNNER_INBOX}.>"),
+        responses=True,  # JobReply
+        inbox_prefix=BATCH_RUNNER_INBOX,
+    )
 
 
 def admin() -> Permissions:

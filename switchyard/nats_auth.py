@@ -26,6 +26,7 @@ from pathlib import Path
 from switchyard.schemas import permissions
 
 SERVER_CONFIG = "nats-auth.conf"
+BATCH_RUNNER_USER = "batch-runner"
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ def identities(worker_ids: Iterable[str]) -> list[Identity]:
     fixed = [
         Identity("scheduler", permissions.scheduler()),
         Identity("ingress", permissions.ingress()),
+        Identity(BATCH_RUNNER_USER, permissions.batch_runner()),
         Identity("admin", permissions.admin()),
     ]
     return fixed + [Identity(worker_user(w), permissions.worker(w)) for w in worker_ids]

@@ -252,3 +252,74 @@ async def _refused_request(nc: Client, stats: BusStats, subject: str) -> None:
     with anyio.fail_after(5):
         while stats.denied == before:
             await anyio.sleep(0.01)
+
+
+# --- batches (schemas.permissions.batch_ingress, batch_runner) -------------------------------------
+
+
+async def test_a_batch_runs_under_the_ingress_and_batch_runner_users(secured: Secured):
+    """The ingress user makes a batch (file, record, work queue), the scheduler user answers the
+    runner's status requests, the batch-runner user runs every line and writes the output file:
+    no refusal anywhere. Then what neither may do is refused."""
+    import json
+
+    import httpx
+
+    from switchyard.ingress.batch_config import BatchRunnerConfig
+    from switchyard.ingress.batch_runner import BatchRunner
+    from switchyard.ingress.batch_store import BatchStore
+    from switchyard.ingress.batches import BatchMaker
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+        return httpx.Response(200, json={"id": "cmpl-1", "usage": usage})
+
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    data = b"".join(
+        json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": body}).encode() + b"\n"
+        for i in range(3)
+    )
+    ingress_stats, runner_stats = BusStats(), BusStats()
+    scheduler = SchedulerService(SchedulerServiceConfig(nats_url=secured.url, nats_client=secured.client("scheduler")))
+    runner = BatchRunner(
+        BatchRunnerConfig(
+            nats_url=secured.url, nats_client=secured.client(nats_auth.BATCH_RUNNER_USER), scan_interval_s=0.1
+        ),
+        transport=httpx.MockTransport(answer),
+    )
+    runner.stats = runner_stats
+    async with secured.as_user("ingress", ingress_stats) as nc, anyio.create_task_group() as tg:
+        await tg.start(scheduler.run)
+        store = BatchStore(nc)
+        await store.ensure()
+        batch = await BatchMaker(store, "m").create(
+            tenant="acme", endpoint="/v1/completions", window="24h", metadata=None, input_file_id="f", data=data
+        )
+        assert batch.status == "in_progress"
+        await tg.start(runner.run)
+        with anyio.fail_after(20):
+            while (got := await store.get(batch.id)) is None or got.status != "completed":
+                await anyio.sleep(0.05)
+        assert got.request_counts.completed == 3 and got.output_file_id
+        assert await store.visible(batch.id, "acme") == got
+        assert ingress_stats.denied == 0 and runner_stats.denied == 0
+        for subject in (
+            "$KV.switchyard_batch_results.x",
+            "$JS.API.CONSUMER.MSG.NEXT.SWITCHYARD_BATCH_WORK.x",
+            "$JS.API.STREAM.DELETE.SWITCHYARD_BATCH_WORK",
+            "$JS.API.STREAM.PURGE.KV_switchyard_batches",
+            "$JS.API.STREAM.MSG.GET.KV_switchyard_batch_results",
+        ):
+            await _refused_request(nc, ingress_stats, subject)
+        tg.cancel_scope.cancel()
+    async with secured.as_user(nats_auth.BATCH_RUNNER_USER, runner_stats) as nc:
+        for subject in (
+            subjects.CANCEL,
+            subjects.worker_tasks("prefill-0"),
+            subjects.stream("ingress-1", "prefill-0"),
+            "$JS.API.STREAM.DELETE.SWITCHYARD_BATCH_WORK",
+            "$JS.API.STREAM.PURGE.SWITCHYARD_BATCH_WORK",
+            "$JS.API.STREAM.INFO.SWITCHYARD_USAGE",
+            "$KV.switchyard_sessions.x",
+        ):
+            await _refused_request(nc, runner_stats, subject)

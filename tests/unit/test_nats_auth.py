@@ -19,7 +19,9 @@ def _plan() -> up.Plan:
 
 def test_every_file_is_private_and_the_server_accepts_its_config(tmp_path) -> None:
     files = nats_auth.write(tmp_path / "auth", ["prefill-0"])
-    assert sorted(files) == sorted(["nats-auth.conf", "scheduler", "ingress", "admin", "worker-prefill-0"])
+    assert sorted(files) == sorted(
+        ["nats-auth.conf", "scheduler", "ingress", "batch-runner", "admin", "worker-prefill-0"]
+    )
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files.values())
     checked = subprocess.run(
         [str(procs.nats_server_binary()), "-c", str(files[nats_auth.SERVER_CONFIG]), "-t"], capture_output=True
