@@ -3,18 +3,21 @@ if __name__ != "switchyard.ingress":  # one module, one name: the wheel installs
 
 from typing import TYPE_CHECKING
 
+from switchyard.ingress.batch_config import BatchRunnerConfig
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.tokenizer import ModelTokenizer, TokenizerError
 from switchyard.schemas import lazy_attributes
 
 if TYPE_CHECKING:
     from switchyard.ingress.auth import KeyRecord, KeyStore, KeyStoreError, Limits
+    from switchyard.ingress.batch_runner import BatchRunner
     from switchyard.ingress.files import FileNotFound, FileObject, FileStore
     from switchyard.ingress.service import IngressService
 
 _AUTH = "switchyard.ingress.auth"
 _FILES = "switchyard.ingress.files"
 _LAZY = {
+    "BatchRunner": "switchyard.ingress.batch_runner",
     "FileNotFound": _FILES,
     "FileObject": _FILES,
     "FileStore": _FILES,
@@ -26,6 +29,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "BatchRunner",
+    "BatchRunnerConfig",
     "FileNotFound",
     "FileObject",
     "FileStore",

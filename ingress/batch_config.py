@@ -20,10 +20,10 @@ class BatchRunnerConfig(ConfigStruct, frozen=True, kw_only=True):
     api_key: Annotated[str, setting("an API key with the trusted-proxy right, for an ingress with --auth keys")] = ""
     # Headroom: the runner pulls a line only while the scheduler's central queue holds at most
     # this much, so interactive requests never wait behind batch work (0, 0: an empty queue).
-    max_queued_requests: Annotated[
+    headroom_queued_requests: Annotated[
         int, setting("pull batch lines only while the scheduler queues at most this many requests", ge=0)
     ] = 0
-    max_queued_tokens: Annotated[
+    headroom_queued_tokens: Annotated[
         int, setting("pull batch lines only while the scheduler queues at most this many prompt tokens", ge=0)
     ] = 0
     status_interval_s: Annotated[float, setting("how often the scheduler's queue is read while pulling", gt=0)] = 0.02

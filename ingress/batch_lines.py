@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.ingress.errors import InvalidRequest
+from switchyard.ingress.errors import IngressError, InvalidRequest
 from switchyard.ingress.openai_types import ChatCompletionRequest, CompletionRequest, decode_body
 from switchyard.schemas import batch as schema
 
@@ -82,7 +82,7 @@ def check_input(data: bytes, endpoint: str, model: str, *, max_lines: int) -> Ch
     return Checked(lines=lines if not errors else [], errors=errors)
 
 
-class _LineError(Exception):
+class _LineError(IngressError):  # local control flow: it never leaves this module
     def __init__(self, error: schema.BatchError) -> None:
         self.error = error
 

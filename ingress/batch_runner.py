@@ -8,8 +8,8 @@ whose tenant was served least recently, then that tenant's least recently served
 ``batch_concurrency`` lines of one batch at once.
 
 **Headroom.** A line is pulled only while the scheduler's central queue holds at most
-``max_queued_requests`` requests and ``max_queued_tokens`` prompt tokens (``has_headroom``;
-both 0 by default: an empty queue), read from ``ClusterStatus`` at most every
+``headroom_queued_requests`` requests and ``headroom_queued_tokens`` prompt tokens
+(``has_headroom``; both 0 by default: an empty queue), read from ``ClusterStatus`` at most every
 ``status_interval_s`` and for at most ``pulls_per_status`` pulls. Work admitted this way runs
 at batch priority (``x-switchyard-priority: batch``), so an interactive request that arrives
 later still goes first in the queue; batch lines queue only when no interactive one does.
@@ -73,8 +73,8 @@ def has_headroom(status: ClusterStatus | None, config: BatchRunnerConfig) -> boo
     """Batch work may be added: the scheduler answers and its queue is (nearly) empty."""
     return (
         status is not None
-        and status.queued_requests <= config.max_queued_requests
-        and status.queued_tokens <= config.max_queued_tokens
+        and status.queued_requests <= config.headroom_queued_requests
+        and status.queued_tokens <= config.headroom_queued_tokens
     )
 
 

@@ -4,6 +4,7 @@
     switchyard ingress       the HTTP API
     switchyard scheduler     admission and placement
     switchyard worker        a prefill or decode worker (--role, --engine)
+    switchyard batch-runner  runs batch lines while the fleet has headroom
     switchyard config show   the effective configuration of every service, and its sources
     switchyard keys ...      API keys for --auth keys: create, list, revoke
     switchyard nats-auth     NATS users, one per role, and their permissions (--out DIR)
@@ -29,7 +30,7 @@ import anyio
 import msgspec
 
 from switchyard import settings
-from switchyard.ingress import IngressConfig
+from switchyard.ingress import BatchRunnerConfig, IngressConfig
 from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.schemas import SwitchyardError
 from switchyard.settings import ConfigError, ProcessConfig, Sources
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ingress", "the OpenAI-compatible HTTP API"),
         ("scheduler", "admission and placement"),
         ("worker", "a prefill or decode worker"),
+        ("batch-runner", "runs batch lines (the Batch API, JobSubmit) while the fleet has headroom"),
     ):
         add_command_flags(sub.add_parser(name, help=help_), name)
 
@@ -89,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_command_flags(parser: argparse.ArgumentParser, command: str) -> None:
     settings.add_command_flags(parser, command)
-    if command in ("ingress", "scheduler", "worker"):
+    if command in ("ingress", "scheduler", "worker", "batch-runner"):
         parser.add_argument("--child", metavar="NAME", default=None, help=argparse.SUPPRESS)
 
 
@@ -174,7 +176,7 @@ def _main(args: argparse.Namespace) -> int:
             plan = up.plan(sources_of(args))
             _setup_process("up", "up", plan.process)
             return up.up(plan)
-        case "ingress" | "scheduler" | "worker":
+        case "ingress" | "scheduler" | "worker" | "batch-runner":
             return _serve(args)
         case "config":
             from switchyard import up
@@ -230,6 +232,10 @@ def _serve(args: argparse.Namespace) -> int:
             from switchyard.workers import build_worker
 
             run_service(build_worker(config).run)
+        case BatchRunnerConfig():
+            from switchyard.ingress import BatchRunner
+
+            run_service(BatchRunner(config).run)
     return 0
 
 

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 import msgspec
 
-from switchyard.ingress import IngressConfig
+from switchyard.ingress import BatchRunnerConfig, IngressConfig
 from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.schemas import ConfigStruct, SwitchyardError, setting
 from switchyard.workers import WorkerConfig
@@ -65,6 +65,7 @@ class UpConfig(ConfigStruct, frozen=True, kw_only=True):
     schedulers: Annotated[
         int, setting("scheduler replicas: one active (it holds the lease), the others standing by", gt=0)
     ] = 1
+    batch_runners: Annotated[int, setting("batch runners (the Batch API's lines run through them; 0: none)", ge=0)] = 1
     ready_timeout_s: Annotated[
         float, setting("how long the stack may take to serve; default: 60 s, or 600 s for vllm", gt=0)
     ] = 60.0
@@ -99,16 +100,18 @@ SERVICES: dict[str, type[ConfigStruct]] = {
     "ingress": IngressConfig,
     "scheduler": SchedulerServiceConfig,
     "worker": WorkerConfig,
+    "batch-runner": BatchRunnerConfig,
 }
 # The trees behind each command's flags (a name shared by several is one flag), and what
 # `up` decides for its children itself.
 COMMAND_TREES: dict[str, list[type[ConfigStruct]]] = {
-    "up": [ProcessConfig, UpConfig, SchedulerServiceConfig, WorkerConfig, IngressConfig],
+    "up": [ProcessConfig, UpConfig, SchedulerServiceConfig, WorkerConfig, IngressConfig, BatchRunnerConfig],
     "ingress": [ProcessConfig, IngressConfig],
     "scheduler": [ProcessConfig, SchedulerServiceConfig],
     "worker": [ProcessConfig, WorkerConfig],
+    "batch-runner": [ProcessConfig, BatchRunnerConfig],
 }
-UP_SKIPS = frozenset({"role", "worker-id"})
+UP_SKIPS = frozenset({"role", "worker-id", "ingress-url"})
 # Defaults that belong to the composition root: where the bundled model is.
 _EDGE_DEFAULTS: dict[str, Any] = {"model": str(BUNDLED_MODEL)}
 
@@ -386,7 +389,12 @@ def known_names() -> dict[str, set[str]]:
 
 
 def _group_name(tree: type) -> str:
-    named: dict[type, str] = {IngressConfig: "ingress", SchedulerServiceConfig: "scheduler", WorkerConfig: "worker"}
+    named: dict[type, str] = {
+        IngressConfig: "ingress",
+        SchedulerServiceConfig: "scheduler",
+        WorkerConfig: "worker",
+        BatchRunnerConfig: "batch-runner",
+    }
     return named.get(tree, tree.__name__.removesuffix("Config").lower() or "settings")
 
 

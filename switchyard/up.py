@@ -45,7 +45,7 @@ from typing import Any
 import msgspec
 
 from switchyard import nats_auth, procs, settings
-from switchyard.ingress import IngressConfig
+from switchyard.ingress import BatchRunnerConfig, IngressConfig
 from switchyard.observability import DEFAULT_NATS_URL, redacted
 from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.settings import ConfigError, ProcessConfig, Resolved, Sources, UpConfig, Value
@@ -99,6 +99,11 @@ def plan(sources: Sources) -> Plan:
         worker = Resolved(finished, worker.origin | named)
         children += [_child(f"{role}-{i}", "worker", sources, worker) for i in range(count)]
     children.append(_child("ingress", "ingress", sources, ingress))
+    runner_fixed = fixed | {"ingress-url": f"http://{_display_host(ingress.config.host)}:{ingress.config.port}"}
+    runner = settings.resolve(BatchRunnerConfig, sources, "batch-runner", fixed=runner_fixed)
+    count = up_cfg.config.batch_runners
+    names = ["batch-runner"] if count == 1 else [f"batch-runner-{i}" for i in range(count)]
+    children += [_child(name, "batch-runner", sources, runner) for name in names]
     return Plan(up_cfg.config, process.config, children, up_cfg.origin | process.origin)
 
 
@@ -214,10 +219,13 @@ class Auth:
             config = msgspec.structs.replace(config, worker_id=child)
             user = nats_auth.worker_user(child)
         else:
-            user = "ingress" if isinstance(config, IngressConfig) else "scheduler"
+            user = _USERS.get(type(config), "scheduler")
         path = self.shared or self.files[user]
         client = msgspec.structs.replace(config.nats_client, credentials_file=str(path))
         return msgspec.structs.replace(config, nats_client=client)
+
+
+_USERS: dict[type, str] = {IngressConfig: "ingress", BatchRunnerConfig: nats_auth.BATCH_RUNNER_USER}
 
 
 def _external_nats(url: str, stack: ExitStack) -> tuple[str, Auth | None]:

@@ -185,7 +185,7 @@ def test_headroom_is_an_empty_queue_by_default_and_a_setting() -> None:
     assert has_headroom(status(0, 0), cfg)
     assert not has_headroom(status(1, 10), cfg)
     assert not has_headroom(None, cfg)  # no scheduler answers: nothing is added
-    loose = BatchRunnerConfig(max_queued_requests=2, max_queued_tokens=100)
+    loose = BatchRunnerConfig(headroom_queued_requests=2, headroom_queued_tokens=100)
     assert has_headroom(status(2, 100), loose) and not has_headroom(status(2, 101), loose)
 
 

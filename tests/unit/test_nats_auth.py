@@ -48,7 +48,9 @@ def test_up_gives_each_child_its_own_credentials_file_and_no_password(tmp_path) 
         data = env[settings.CONFIG_DATA_ENV]
         _process, tree = settings.decode_child(data, settings.COMMAND_TREES[child.command][1])
         user = load_credentials(tree.nats_client.credentials_file).user
-        assert user == {"scheduler": "scheduler", "ingress": "ingress"}.get(child.name, f"worker-{child.name}")
+        assert user == {"scheduler": "scheduler", "ingress": "ingress", "batch-runner": "batch-runner"}.get(
+            child.name, f"worker-{child.name}"
+        )
         if child.command == "worker":
             assert tree.worker_id == child.name  # its user's rights name it
         assert not [p for p in passwords if p in data]

@@ -120,7 +120,8 @@ def test_up_hands_each_child_its_whole_config_as_data(tmp_path) -> None:
     plan = up.plan(
         _sources(["up", "--prefill", "2", "--port", "9123"], {"SWITCHYARD_LOG_LEVEL": "debug"}, toml, tmp_path)
     )
-    assert [c.name for c in plan.children] == ["scheduler", "prefill-0", "prefill-1", "decode-0", "ingress"]
+    names = ["scheduler", "prefill-0", "prefill-1", "decode-0", "ingress", "batch-runner"]
+    assert [c.name for c in plan.children] == names
     trees = {}
     for child in plan.children:
         command, env = up.child_spec(child, "nats://127.0.0.1:5555")
