@@ -7,9 +7,9 @@ them. Listing one tenant's files reads the records under that tenant's key prefi
 one tenant never sees, reads or deletes another's files: every lookup names the caller's
 tenant, and another tenant's id is simply not there (404, as for an unknown id).
 
-Ids are ``file-`` and 24 hex digits: the creation time in milliseconds (12), then 12 random,
-so that ids sort in creation order and a cursor (``after``) still places a page after its
-file was deleted.
+Ids are ``file-`` and 24 hex digits: the creation time in milliseconds (12), then 12 random
+(``FileIds``: one store's ids strictly increase), so that ids sort in creation order and a
+cursor (``after``) still places a page after its file was deleted.
 
 ``files_routes`` are the HTTP routes, as the official client calls them. An upload is read
 with its own limit (``--files-max-bytes``, not ``--max-body-bytes``): the form is parsed as
@@ -40,7 +40,7 @@ import anyio
 import msgspec
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+from nats.js.api import DeliverPolicy, KeyValueConfig, ObjectStoreConfig, StorageType
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
@@ -102,9 +102,22 @@ class FilesUnavailable(Unavailable):
         )
 
 
-def new_file_id(now: float | None = None) -> str:
-    millis = int((time.time() if now is None else now) * 1000)
-    return f"file-{millis & (1 << 48) - 1:012x}{secrets.token_hex(6)}"
+class FileIds:
+    """``file-`` + 12 hex digits of Unix milliseconds + 12 random: ids that sort by creation.
+    Within a millisecond (or if the clock steps back) the next id is the last one plus one,
+    so one process's ids never fall out of order; two processes' within one millisecond
+    sort arbitrarily, as their creation does."""
+
+    _RANDOM_BITS = 48
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._last = 0
+
+    def next(self) -> str:
+        fresh = (int(self._clock() * 1000) << self._RANDOM_BITS) | secrets.randbits(self._RANDOM_BITS)
+        self._last = fresh if fresh >> self._RANDOM_BITS > self._last >> self._RANDOM_BITS else self._last + 1
+        return f"file-{self._last & (1 << 96) - 1:024x}"
 
 
 class FileStore:
@@ -115,6 +128,7 @@ class FileStore:
         self.max_bytes = max_bytes
         self._buckets: tuple[ObjectStore, KeyValue] | None = None
         self._decoder = msgspec.json.Decoder(FileObject)
+        self._ids = FileIds()
 
     async def ensure(self) -> None:
         """Open both buckets, creating those that are missing (file storage). A bucket that
@@ -130,7 +144,9 @@ class FileStore:
         if size > self.max_bytes:
             raise RequestTooLarge(f"The file is {size} bytes; the limit is {self.max_bytes}.", param="file")
         objects, records = await self._open()
-        file = FileObject(id=new_file_id(), bytes=size, created_at=int(time.time()), filename=filename, purpose=purpose)
+        file = FileObject(
+            id=self._ids.next(), bytes=size, created_at=int(time.time()), filename=filename, purpose=purpose
+        )
         with _bus_errors():
             info = await objects.put(files.object_name(tenant, file.id), source)  # type: ignore[arg-type]
             assert info.size == size, (info.size, size)
@@ -262,20 +278,28 @@ class FileStore:
             return await self._js.key_value(files.METADATA_BUCKET)
 
     async def _all(self, tenant: str) -> builtins.list[FileObject]:  # list: the method's name here
-        """Every record of the tenant: the latest value per key under its prefix, one ordered
-        consumer, read until it has caught up."""
-        _, records = await self._open()
+        """Every record of the tenant: the latest message per key under its prefix, from one
+        ordered consumer. How many to read is the consumer's own count at its start (delivered
+        plus pending, on the server), not nats-py's KV watcher, whose "caught up" marker can
+        come before messages still on their way."""
+        await self._open()
         found: builtins.list[FileObject] = []
         with _bus_errors(), anyio.fail_after(_LIST_TIMEOUT_S):
-            watcher = await records.watch(f"{files.tenant_key(tenant)}.*", ignore_deletes=True)
+            sub = await self._js.subscribe(
+                f"$KV.{files.METADATA_BUCKET}.{files.tenant_key(tenant)}.*",
+                stream=files.METADATA_STREAM,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            )
             try:
-                async for entry in watcher:
-                    if entry is None:  # caught up
-                        break
-                    if entry.value:
-                        found.append(self._decoder.decode(entry.value))
+                start = await sub.consumer_info()
+                delivered = (start.delivered.consumer_seq or 0) if start.delivered else 0
+                for _ in range(delivered + (start.num_pending or 0)):
+                    msg = await sub.next_msg(timeout=_CHUNK_TIMEOUT_S)
+                    if msg.data and (msg.headers or {}).get("KV-Operation") is None:  # not a delete
+                        found.append(self._decoder.decode(msg.data))
             finally:
-                await watcher.stop()
+                await sub.unsubscribe()
         return found
 
 

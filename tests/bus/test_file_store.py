@@ -125,3 +125,13 @@ async def test_files_survive_a_server_restart_on_file_storage(tmp_path):
             assert await store.info(file.id, tenant="acme") == file
             assert await store.read(file.id, tenant="acme") == LINE * 100
             assert [f.id for f in (await store.list(tenant="acme"))[0]] == [file.id]
+
+
+async def test_a_long_listing_reads_every_record_and_skips_deleted_ones(nats):
+    async with connect(nats.url, "test") as nc:
+        store = _store(nc)
+        made = [(await store.put(f"{i}.jsonl", "batch", b"x", tenant="many")).id for i in range(300)]
+        for file_id in made[::3]:
+            await store.delete(file_id, tenant="many")
+        page, more = await store.list(tenant="many", order="asc")
+        assert [f.id for f in page] == [f for i, f in enumerate(made) if i % 3] and not more
