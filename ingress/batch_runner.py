@@ -139,10 +139,16 @@ class _Active:
     idle_scans: int = 0
     scopes: set[anyio.CancelScope] = field(default_factory=set)
     finalizing: bool = False
+    warm: bool = False  # a line of it has a result: its shared prefix is in some cache
 
     @property
     def mode(self) -> Mode:
         return mode_of(self.batch, now_s())
+
+    def room(self, cap: int) -> bool:
+        """One line at a time until the first has a result, so that the lines after it find the
+        prefix they share (a system prompt) cached instead of all computing it at once."""
+        return self.in_flight < (cap if self.warm or self.batch.request_counts.done else 1)
 
 
 class BatchRunner:
@@ -154,6 +160,7 @@ class BatchRunner:
         self.stats = BusStats()
         self.picker = FairPicker()
         self._active: dict[str, _Active] = {}
+        self._ended: set[str] = set()  # batch ids seen ended: their records never change again
         self._status: ClusterStatus | None = None
         self._status_at = -1.0
         self._pulls_left = 0
@@ -216,7 +223,7 @@ class BatchRunner:
             ready = [
                 a
                 for a in self._active.values()
-                if not a.finalizing and a.empty_until <= now and a.in_flight < self.config.batch_concurrency
+                if not a.finalizing and a.empty_until <= now and a.room(self.config.batch_concurrency)
             ]
             draining = [a for a in ready if a.mode != "run"]  # dropped, not run: no headroom needed
             if not draining and ready and not await self._headroom():
@@ -342,6 +349,9 @@ class BatchRunner:
         if not await self.store.put_result(result):
             return
         self.lines_run += 1
+        active = self._active.get(result.batch_id)
+        if active is not None:
+            active.warm = True
         batch = await self.store.count(result)
         if batch is not None and batch.request_counts.done >= batch.request_counts.total:
             self._tg.start_soon(self._finalize, batch.id)
@@ -399,7 +409,9 @@ class BatchRunner:
 
     async def _scan(self) -> None:
         seen: set[str] = set()
-        for batch in await self.store.all():
+        for batch in await self.store.all(skip=self._ended):
+            if batch.terminal:
+                self._ended.add(batch.id)
             if batch.status not in ("in_progress", "cancelling", "finalizing"):
                 continue
             seen.add(batch.id)

@@ -161,12 +161,13 @@ class BatchStore:
             return changed
         raise ApiError(f"batch {batch_id}: its record kept changing under {_CAS_TRIES} updates")
 
-    async def all(self) -> list[schema.Batch]:
+    async def all(self, skip: frozenset[str] | set[str] = frozenset()) -> list[schema.Batch]:
+        """Every record but those in ``skip`` (ended batches a reader already knows: they never change)."""
         try:
             keys = await self.records.keys()
         except NoKeysError:
             return []
-        found = [await self.get(k) for k in keys]
+        found = [await self.get(k) for k in keys if k not in skip]
         return [b for b in found if b is not None]
 
     async def of_tenant(self, tenant: str) -> list[schema.Batch]:

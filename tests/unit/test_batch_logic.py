@@ -11,12 +11,12 @@ import pytest
 
 from switchyard.ingress.batch_config import BatchRunnerConfig
 from switchyard.ingress.batch_lines import MAX_ERRORS, check_input, output_files
-from switchyard.ingress.batch_runner import FairPicker, counts_of, final_status, has_headroom, mode_of
+from switchyard.ingress.batch_runner import FairPicker, _Active, counts_of, final_status, has_headroom, mode_of
 from switchyard.ingress.batch_store import BatchConflict
 from switchyard.ingress.batches import BatchMaker, cancelled, page
 from switchyard.ingress.errors import InvalidRequest
 from switchyard.schemas import ClusterStatus
-from switchyard.schemas.batch import Batch, LineError, LineResult
+from switchyard.schemas.batch import Batch, LineError, LineResult, RequestCounts
 
 MODEL = "switchyard-sim"
 CHAT = "/v1/chat/completions"
@@ -197,3 +197,17 @@ def test_the_picker_serves_tenants_in_turn_then_their_batches() -> None:
     assert tenants == ["big", "small", "big", "small", "big", "small"]
     assert [p[1] for p in picks if p and p[0] == "big"] == ["b1", "b2", "b3"]
     assert picker.pick([]) is None
+
+
+def test_a_batch_runs_one_line_until_its_shared_prefix_is_warm() -> None:
+    cold = _Active(batch(request_counts=RequestCounts(total=9)), sub=None)
+    assert cold.room(4)
+    cold.in_flight = 1
+    assert not cold.room(4)
+    cold.warm = True
+    assert cold.room(4)
+    cold.in_flight = 4
+    assert not cold.room(4)
+    resumed = _Active(batch(request_counts=RequestCounts(total=9, completed=1)), sub=None)  # another runner's result
+    resumed.in_flight = 3
+    assert resumed.room(4)
