@@ -348,7 +348,7 @@ def test_every_role_connects_as_its_own_nats_user(services):
     conf = nats["command"][nats["command"].index("-c") + 1]
     assert _mounts(nats)[str(Path(conf).parent)] == "nats-auth" and Path(conf).name == "nats-auth.conf"
     assert nats["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully"
-    users = {"scheduler", "ingress", *(f"worker-{w}" for w in workers)}
+    users = {"scheduler", "ingress", "batch-runner", *(f"worker-{w}" for w in workers)}
     named = set()
     for name, command in switchyard_services(services).items():
         config = parse_command(command).config
