@@ -10,6 +10,7 @@ from switchyard.schemas import lazy_attributes
 
 if TYPE_CHECKING:
     from switchyard.ingress.auth import KeyRecord, KeyStore, KeyStoreError, Limits
+    from switchyard.ingress.batch_client import BatchClient, BatchRejected
     from switchyard.ingress.batch_runner import BatchRunner
     from switchyard.ingress.files import FileNotFound, FileObject, FileStore
     from switchyard.ingress.service import IngressService
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 _AUTH = "switchyard.ingress.auth"
 _FILES = "switchyard.ingress.files"
 _LAZY = {
+    "BatchClient": "switchyard.ingress.batch_client",
+    "BatchRejected": "switchyard.ingress.batch_client",
     "BatchRunner": "switchyard.ingress.batch_runner",
     "FileNotFound": _FILES,
     "FileObject": _FILES,
@@ -29,6 +32,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "BatchClient",
+    "BatchRejected",
     "BatchRunner",
     "BatchRunnerConfig",
     "FileNotFound",

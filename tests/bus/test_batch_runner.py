@@ -287,3 +287,20 @@ async def test_a_job_submitted_on_the_bus_runs_as_a_batch(nats):
         bad = JobSubmit(endpoint="/v1/completions", jobs=[Job(custom_id="j1", body={"model": "nope", "prompt": "x"})])
         rejected = JOB_REPLY.decode((await b.nc.request(subjects.BATCH_SUBMIT, encode(bad), timeout=5)).data)
         assert not isinstance(rejected, JobAccepted) and rejected.errors[0].code == "model_not_found"
+
+
+async def test_the_python_client_submits_waits_and_reads_results(nats):
+    from switchyard.ingress import BatchClient, BatchRejected
+
+    async with bed(nats.url) as b:
+        await b.runner(Ingress())
+        jobs = BatchClient(b.nc)
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        batch = await jobs.submit("/v1/completions", {"a": body, "b": body}, tenant="bus", metadata={"k": "v"})
+        done = await jobs.wait(batch.id)
+        assert done.status == "completed" and done.metadata == {"k": "v"} and done.tenant == "bus"
+        results = await jobs.results(batch.id)
+        assert sorted(results) == ["a", "b"] and all(r.ok for r in results.values())
+        with pytest.raises(BatchRejected) as refused:
+            await jobs.submit("/v1/completions", {"a": body, "b": {"model": MODEL}})
+        assert refused.value.errors[0].line == 2 and "job 2" in str(refused.value)
