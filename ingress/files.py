@@ -62,6 +62,7 @@ MAX_LIST_LIMIT = 10_000  # OpenAI's, and its default
 MAX_FILENAME_CHARS = 512
 _ID_RE = re.compile(r"file-[0-9a-f]{24}")
 _CONFIG_IN_USE = 10058  # JetStream: a stream of that name exists with another configuration
+_STREAM_NOT_FOUND = 10059
 _FORM_SLACK = 64 * 1024  # what a form may add to its file's bytes (boundaries, part headers, purpose)
 _STREAM_CHUNK = 256 * 1024
 _CHUNK_TIMEOUT_S = 10.0  # the longest wait for the next chunk of a file being read
@@ -147,7 +148,7 @@ class FileStore:
         file = FileObject(
             id=self._ids.next(), bytes=size, created_at=int(time.time()), filename=filename, purpose=purpose
         )
-        with _bus_errors():
+        with self._bus_errors():
             info = await objects.put(files.object_name(tenant, file.id), source)  # type: ignore[arg-type]
             assert info.size == size, (info.size, size)
             await records.put(files.metadata_key(tenant, file.id), msgspec.json.encode(file))
@@ -157,7 +158,7 @@ class FileStore:
         if not _ID_RE.fullmatch(file_id):  # also keeps wildcards and dots out of the key
             raise FileNotFound(file_id)
         _, records = await self._open()
-        with _bus_errors():
+        with self._bus_errors():
             try:
                 entry = await records.get(files.metadata_key(tenant, file_id))
             except NotFoundError:  # never written, deleted, or another tenant's
@@ -174,7 +175,7 @@ class FileStore:
         """Write the file's bytes into ``out`` (in a thread, chunk by chunk); its record."""
         file = await self.info(file_id, tenant=tenant)
         objects, _ = await self._open()
-        with _bus_errors():
+        with self._bus_errors():
             try:
                 await self._copy(objects, files.object_name(tenant, file_id), out)
             except NotFoundError:  # deleted since its record was read
@@ -229,7 +230,7 @@ class FileStore:
         except FileNotFound:
             return False
         objects, records = await self._open()
-        with _bus_errors():
+        with self._bus_errors():
             await records.delete(files.metadata_key(tenant, file_id))
             try:
                 await objects.delete(files.object_name(tenant, file_id))
@@ -239,9 +240,25 @@ class FileStore:
 
     # --- the buckets ----------------------------------------------------------------------------
 
+    @contextmanager
+    def _bus_errors(self) -> Iterator[None]:
+        """What the bus raises, as the 503 a client can act on (NotFound is each caller's
+        own). The buckets are looked up again on the next call: a server that lost its store
+        gets them created anew."""
+        try:
+            yield
+        except NotFoundError as exc:
+            if exc.err_code != _STREAM_NOT_FOUND:
+                raise
+            self._buckets = None
+            raise FilesUnavailable("its buckets are gone; they are made again on the next call") from None
+        except (TimeoutError, nats.errors.Error) as exc:  # nats-py's timeouts are both
+            self._buckets = None
+            raise FilesUnavailable(type(exc).__name__ if not str(exc) else str(exc).strip()) from None
+
     async def _open(self) -> tuple[ObjectStore, KeyValue]:
         if self._buckets is None:
-            with _bus_errors():
+            with self._bus_errors():
                 self._buckets = (await self._objects(), await self._records())
             log.info("file storage: buckets %s and %s", files.OBJECT_BUCKET, files.METADATA_BUCKET)
         return self._buckets
@@ -284,7 +301,7 @@ class FileStore:
         come before messages still on their way."""
         await self._open()
         found: builtins.list[FileObject] = []
-        with _bus_errors(), anyio.fail_after(_LIST_TIMEOUT_S):
+        with self._bus_errors(), anyio.fail_after(_LIST_TIMEOUT_S):
             sub = await self._js.subscribe(
                 f"$KV.{files.METADATA_BUCKET}.{files.tenant_key(tenant)}.*",
                 stream=files.METADATA_STREAM,
@@ -310,17 +327,6 @@ def _check_new(filename: str, purpose: str) -> None:
         )
     if not 0 < len(filename) <= MAX_FILENAME_CHARS:
         raise InvalidRequest(f"The file's name must be 1 to {MAX_FILENAME_CHARS} characters.", param="file")
-
-
-@contextmanager
-def _bus_errors() -> Iterator[None]:
-    """What the bus raises, as the 503 a client can act on (NotFound is each caller's own)."""
-    try:
-        yield
-    except NotFoundError:
-        raise
-    except (TimeoutError, nats.errors.Error) as exc:  # nats-py's timeouts are both
-        raise FilesUnavailable(type(exc).__name__ if not str(exc) else str(exc).strip()) from None
 
 
 # --- HTTP -----------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ size limit holds; and files outlive a restart of the server on the same store.""
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from switchyard import procs
@@ -135,3 +136,24 @@ async def test_a_long_listing_reads_every_record_and_skips_deleted_ones(nats):
             await store.delete(file_id, tenant="many")
         page, more = await store.list(tenant="many", order="asc")
         assert [f.id for f in page] == [f for i, f in enumerate(made) if i % 3] and not more
+
+
+async def test_a_server_that_lost_its_store_gets_the_buckets_again(tmp_path):
+    """A 503 at first (the buckets are gone), then they are created anew; old files are gone."""
+    port = procs.free_port()
+    with procs.nats_server(port=port, store_dir=str(tmp_path / "a")) as server:
+        async with connect(server.url, "test") as nc:
+            store = _store(nc)
+            old = await store.put("old.jsonl", "batch", LINE, tenant="acme")
+            server.process.terminate()
+            server.process.wait()
+            with procs.nats_server(port=port, store_dir=str(tmp_path / "b")):
+                with anyio.fail_after(10):
+                    while not (nc.stats["reconnects"] and nc.is_connected):  # nats-py offers flags, no event
+                        await anyio.sleep(0.05)
+                with pytest.raises(FilesUnavailable):
+                    await store.put("new.jsonl", "batch", LINE, tenant="acme")
+                new = await store.put("new.jsonl", "batch", LINE, tenant="acme")
+                assert await store.read(new.id, tenant="acme") == LINE
+                with pytest.raises(FileNotFound):
+                    await store.info(old.id, tenant="acme")
