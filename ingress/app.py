@@ -101,9 +101,11 @@ class Ingress:
         gate: Gate,
         on_finished: Callable[[Generation, str], None] | None = None,
         routes: Sequence[BaseRoute] = (),  # more of the API, served by other modules (ingress.files)
+        on_scrape: Sequence[Callable[[], Awaitable[None]]] = (),  # set more gauges before /metrics answers
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self._on_scrape = list(on_scrape)
         self.model = config.served_model_name or tokenizer.info.name
         self.key_scheme = KeyScheme(config.key_scheme, config.hash_seed)
         self.nc = nc
@@ -245,6 +247,8 @@ class Ingress:
         if status is not None:
             self.metrics.set_workers(status.workers)
             self.metrics.set_stranded(status)
+        for refresh in self._on_scrape:
+            await refresh()
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def openapi(self, request: Request) -> Response:

@@ -15,11 +15,13 @@ both make the same record and the same work items.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, get_args
 
 import anyio
 import msgspec
+from prometheus_client import CollectorRegistry, Gauge
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -216,11 +218,51 @@ def _openapi(**operation: Any) -> Callable[[_T], _T]:
     return describe
 
 
+class BatchMetrics:
+    """What ``/metrics`` shows of batches, read from JetStream at each scrape: batches by status,
+    their lines by outcome (``pending``: not finished yet), and the lines on the work queue."""
+
+    def __init__(self, store: BatchStore, registry: CollectorRegistry) -> None:
+        self.store = store
+        self.batches = Gauge("switchyard_batches", "Batch records, by status.", ["status"], registry=registry)
+        self.lines = Gauge(
+            "switchyard_batch_lines", "Lines of the batch records, by outcome.", ["outcome"], registry=registry
+        )
+        self.queued = Gauge(
+            "switchyard_batch_queue_depth", "Batch lines on the work queue, not yet acked.", registry=registry
+        )
+        for status in get_args(schema.BatchStatus):
+            self.batches.labels(status)
+        for outcome in ("completed", "failed", "pending"):
+            self.lines.labels(outcome)
+
+    async def refresh(self) -> None:
+        """Set every gauge; without JetStream, leave them as they were."""
+        try:
+            await self.store.ensure()
+            batches = await self.store.all()
+            depth = (await self.store.js.stream_info(schema.WORK_STREAM)).state.messages
+        except Exception as exc:  # a scrape must answer, JetStream or not
+            log.debug("batch metrics: %r", exc)
+            return
+        by_status = Counter(b.status for b in batches)
+        for status in get_args(schema.BatchStatus):
+            self.batches.labels(status).set(by_status[status])
+        counts = [b.request_counts for b in batches]
+        self.lines.labels("completed").set(sum(c.completed for c in counts))
+        self.lines.labels("failed").set(sum(c.failed for c in counts))
+        self.lines.labels("pending").set(sum(c.total - c.done for c in counts))
+        self.queued.set(depth)
+
+
 class BatchApi:
     """The routes, over a ``BatchMaker`` and the Files store."""
 
-    def __init__(self, maker: BatchMaker, files: Files, *, max_body_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, maker: BatchMaker, files: Files, *, metrics: BatchMetrics | None = None, max_body_bytes: int = 1 << 20
+    ) -> None:
         self.maker = maker
+        self.metrics = metrics or BatchMetrics(maker.store, CollectorRegistry())
         self.store = maker.store
         self.files = files
         self.max_body_bytes = max_body_bytes

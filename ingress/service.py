@@ -16,7 +16,7 @@ from anyio.abc import TaskStatus
 from switchyard.ingress.app import Ingress
 from switchyard.ingress.auth import Gate
 from switchyard.ingress.batch_store import BatchStore
-from switchyard.ingress.batches import BatchApi, BatchMaker
+from switchyard.ingress.batches import BatchApi, BatchMaker, BatchMetrics
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.edge import EdgeLimits, edge_protocol
 from switchyard.ingress.errors import IngressError
@@ -61,6 +61,7 @@ class IngressService:
         async with connect(cfg.nats_url, cfg.ingress_id, self.stats, cfg.nats_client) as nc:
             self.usage = UsageRecorder(nc, cfg, self.metrics)
             self.files = await _file_store(nc, cfg)
+            batches = batch_api(nc, self.files, cfg, self.tokenizer, self.metrics)
             ingress = Ingress(
                 cfg,
                 self.tokenizer,
@@ -70,7 +71,8 @@ class IngressService:
                 self.stats,
                 self.gate,
                 self.usage.on_finished,
-                routes=[*files_routes(lambda: self.files), *batch_routes(nc, self.files, cfg, self.tokenizer)],
+                routes=[*files_routes(lambda: self.files), *batches.routes()],
+                on_scrape=[batches.metrics.refresh],
             )
             server = _Server(
                 uvicorn.Config(
@@ -121,10 +123,11 @@ async def _file_store(nc, cfg: IngressConfig) -> FileStore:
     return store
 
 
-def batch_routes(nc, files: FileStore, cfg: IngressConfig, tokenizer: ModelTokenizer) -> list:
-    """The Batch API (``ingress.batches``); its JetStream storage is opened on first use."""
-    maker = BatchMaker(BatchStore(nc, timeout_s=_JETSTREAM_TIMEOUT_S), cfg.served_model_name or tokenizer.info.name)
-    return BatchApi(maker, files, max_body_bytes=cfg.max_body_bytes).routes()
+def batch_api(nc, files: FileStore, cfg: IngressConfig, tokenizer: ModelTokenizer, metrics: ServingMetrics) -> BatchApi:
+    """The Batch API (``ingress.batches``) and its gauges; its JetStream storage is opened on first use."""
+    store = BatchStore(nc, timeout_s=_JETSTREAM_TIMEOUT_S)
+    maker = BatchMaker(store, cfg.served_model_name or tokenizer.info.name)
+    return BatchApi(maker, files, metrics=BatchMetrics(store, metrics.registry), max_body_bytes=cfg.max_body_bytes)
 
 
 def _bind(host: str, port: int) -> socket.socket:

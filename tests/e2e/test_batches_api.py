@@ -112,6 +112,20 @@ def test_a_chat_batch_completes_with_one_output_line_per_input_line(alice):
     assert sum(cached) > 0  # the shared system prompt was found in the prefix cache
 
 
+def test_metrics_show_batches_by_status_and_their_lines(stack, alice):
+    import httpx
+
+    batch = alice.batches.create(
+        input_file_id=upload(alice, jsonl([chat_line(0)])), endpoint=CHAT, completion_window="24h"
+    )
+    wait(alice, batch.id, "completed")
+    text = httpx.get(stack.ingress.url + "/metrics", timeout=10).text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("switchyard_batch"))
+    assert float(samples['switchyard_batches{status="completed"}']) >= 1
+    assert float(samples['switchyard_batch_lines{outcome="completed"}']) >= 1
+    assert 'switchyard_batches{status="cancelling"}' in samples and "switchyard_batch_queue_depth" in samples
+
+
 def test_a_completions_batch(alice):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
     data = jsonl([{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions", "body": body} for i in range(3)])
