@@ -171,8 +171,8 @@ def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost:
             prefill=args.prefill,
             decode=args.decode,
         )
-        samples = anyio.run(_replay, live.url, requests, scaling)
-    return _summarize_live(policy, requests, samples, scaling, args)
+        samples = anyio.run(replay_http, live.url, requests, scaling)
+    return summarize_live(policy, requests, samples, scaling, args)
 
 
 @dataclass
@@ -185,7 +185,7 @@ class _Sample:
     prompt: int = 0
 
 
-async def _replay(url: str, requests: list[TraceRequest], scaling: Scaling) -> list[_Sample]:
+async def replay_http(url: str, requests: list[TraceRequest], scaling: Scaling) -> list[_Sample]:
     samples = [_Sample() for _ in requests]
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url + "/v1", timeout=600, limits=limits) as client:
@@ -232,7 +232,7 @@ async def _one(client: httpx.AsyncClient, request: TraceRequest, scaling: Scalin
     sample.cached = int(bench_stack.CACHED_TOKENS.findall(tail)[-1])
 
 
-def _summarize_live(policy: str, requests: list[TraceRequest], samples: list[_Sample], scaling: Scaling, args) -> dict:
+def summarize_live(policy: str, requests: list[TraceRequest], samples: list[_Sample], scaling: Scaling, args) -> dict:
     done = [(r, s) for r, s in zip(requests, samples, strict=True) if s.status == 200]
     ttfts = [s.ttft_s / scaling.time for _, s in done]
     tpots = [s.span_s / (s.completion - 1) / (scaling.time * scaling.tokens) for _, s in done if s.completion > 1]

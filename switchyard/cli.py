@@ -9,6 +9,7 @@
     switchyard keys ...      API keys for --auth keys: create, list, revoke
     switchyard nats-auth     NATS users, one per role, and their permissions (--out DIR)
     switchyard usage         the usage records on JetStream, summarised by tenant
+    switchyard batch ...     the Batch API: submit FILE [--wait], list, status, cancel
     switchyard bench ...     benchmarks
 
 Every setting's flag is derived from its declaration on the config trees
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser("nats-auth", help="NATS users and permissions for a deployment: server config, credentials")
     )
 
+    from switchyard import batch_cli
+
+    batch_cli.add_arguments(sub.add_parser("batch", help="the Batch API: submit a file (--wait), list, status, cancel"))
     from switchyard import usage
 
     usage.add_arguments(sub.add_parser("usage", help="the usage records on JetStream, by tenant (cached share too)"))
@@ -76,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from switchyard.bench import chaos, kv, live, overhead, sim
+    from switchyard.bench import batch, chaos, kv, live, overhead, sim
 
     for name, module, help_ in (
         ("overhead", overhead, "what the fabric adds: TTFT, stream throughput, memory"),
@@ -84,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("live", live, "replay a trace, time-scaled, through the running system and beside its simulation"),
         ("kv", kv, "vllm: TTFT with the prefix loaded from LMCache/Mooncake vs recomputed, and raw Mooncake"),
         ("chaos", chaos, "kill workers, the active scheduler and nats-server under load; compare every output"),
+        ("batch", batch, "an interactive trace alone, then beside a large batch: does the batch fill only troughs?"),
     ):
         module.add_arguments(bench_sub.add_parser(name, help=help_))
     return parser
@@ -195,6 +200,10 @@ def _main(args: argparse.Namespace) -> int:
             from switchyard import usage
 
             return usage.run(args)
+        case "batch":
+            from switchyard import batch_cli
+
+            return batch_cli.run(args)
         case "build-tiny-model":
             from switchyard.tiny_model import main as build
 
