@@ -33,7 +33,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError, NotFoundError
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from switchyard.ingress.errors import ApiError, Unavailable
@@ -61,7 +61,10 @@ class BatchConflict(ApiError):
 
 
 def new_batch_id() -> str:
-    return f"batch_{secrets.token_hex(16)}"
+    """``batch_`` and 32 hex digits: the creation time in milliseconds first, so that ids sort by
+    age (a listing's order within a second), then 80 random bits."""
+    millis = int(time.time() * 1000) & ((1 << 48) - 1)
+    return f"batch_{millis:012x}{secrets.token_hex(10)}"
 
 
 def now_s() -> int:
@@ -163,17 +166,18 @@ class BatchStore:
 
     async def all(self, skip: frozenset[str] | set[str] = frozenset()) -> list[schema.Batch]:
         """Every record but those in ``skip`` (ended batches a reader already knows: they never change)."""
-        try:
-            keys = await self.records.keys()
-        except NoKeysError:
-            return []
+        # The keys as the stream holds them now, in one answer: a KV key listing (a watch) misses
+        # a key updated while it runs, its old revision gone and the new one after the listing.
+        prefix = f"$KV.{schema.BATCHES_BUCKET}."
+        info = await self._js.stream_info(f"KV_{schema.BATCHES_BUCKET}", subjects_filter=prefix + ">")
+        keys = [subject.removeprefix(prefix) for subject in (info.state.subjects or {})]
         found = [await self.get(k) for k in keys if k not in skip]
         return [b for b in found if b is not None]
 
     async def of_tenant(self, tenant: str) -> list[schema.Batch]:
         """Newest first."""
         mine = [b for b in await self.all() if b.tenant == tenant]
-        return sorted(mine, key=lambda b: (b.created_at, b.id), reverse=True)
+        return sorted(mine, key=lambda b: b.id, reverse=True)
 
     # --- the work queue -----------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -217,3 +218,27 @@ def test_bad_requests_are_openai_errors(alice):
     assert endpoint.value.body["param"] == "endpoint"
     with pytest.raises(openai.NotFoundError):
         alice.batches.retrieve("batch_doesnotexist")
+
+
+def test_the_batch_command_submits_waits_and_downloads(stack, keys, tmp_path, capsys, monkeypatch):
+    from switchyard import cli
+
+    monkeypatch.chdir(tmp_path)  # the error file lands in the working folder
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([chat_line(i) for i in range(4)] + [chat_line(9, max_tokens=10_000_000)]))
+    common = ["batch", "--url", stack.ingress.url, "--api-key", keys["alice"]]
+    out = tmp_path / "out.jsonl"
+    code = cli.main([*common, "submit", str(path), "--endpoint", CHAT, "--wait", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed
+    batch_id = printed.out.splitlines()[0]
+    assert f"output: {out}" in printed.out and "5/5 done (1 failed) completed" in printed.err
+    assert len(out.read_text().splitlines()) == 4
+    assert len(Path(f"{batch_id}_errors.jsonl").read_text().splitlines()) == 1
+    assert cli.main([*common, "list", "--limit", "1"]) == 0 and batch_id in capsys.readouterr().out
+    assert cli.main([*common, "status", batch_id]) == 0 and '"completed"' in capsys.readouterr().out
+    assert cli.main([*common, "cancel", batch_id]) == 1 and "409" in capsys.readouterr().err
+    path.write_bytes(b"{not json\n")
+    assert cli.main([*common, "submit", str(path), "--endpoint", CHAT]) == 1
+    assert "line 1: invalid_json_line" in capsys.readouterr().err
