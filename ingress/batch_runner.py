@@ -161,6 +161,7 @@ class BatchRunner:
         self.picker = FairPicker()
         self._active: dict[str, _Active] = {}
         self._ended: set[str] = set()  # batch ids seen ended: their records never change again
+        self._finalizing: set[str] = set()  # batches this runner moved to finalizing, not yet ended
         self._status: ClusterStatus | None = None
         self._status_at = -1.0
         self._pulls_left = 0
@@ -440,7 +441,8 @@ class BatchRunner:
             for scope in list(active.scopes):
                 scope.cancel()
         if batch.status == "finalizing":
-            if now_s() - (batch.finalizing_at or 0) >= _STALE_FINALIZING_S:  # its finalizer died
+            # Its finalizer died (another runner), or this runner's attempt failed: again.
+            if batch.id in self._finalizing or now_s() - (batch.finalizing_at or 0) >= _STALE_FINALIZING_S:
                 self._tg.start_soon(self._finalize, batch.id)
             return
         if batch.request_counts.done >= batch.request_counts.total:
@@ -490,8 +492,12 @@ class BatchRunner:
             return None
 
         batch = await self.store.update(batch_id, begin)
-        if batch is None:
+        if batch is None and batch_id in self._finalizing:  # this runner's own, tried before
+            batch = await self.store.get(batch_id)
+        if batch is None or batch.status != "finalizing":
+            self._finalizing.discard(batch_id)
             return  # not done yet, or another runner finalizes it
+        self._finalizing.add(batch_id)
         results = await self.store.results_of(batch_id)
         counts = counts_of(batch.request_counts.total, results)
         ok, failed = output_files(results)
@@ -501,6 +507,7 @@ class BatchRunner:
         done = await self.store.update(
             batch_id, lambda b: finished(b, status, counts, output, errors) if b.status == "finalizing" else None
         )
+        self._finalizing.discard(batch_id)
         if done is not None:
             await self.store.drop_consumer(batch_id)
             log.info("batch %s %s: %d completed, %d failed", batch_id, status, counts.completed, counts.failed)

@@ -304,3 +304,20 @@ async def test_the_python_client_submits_waits_and_reads_results(nats):
         with pytest.raises(BatchRejected) as refused:
             await jobs.submit("/v1/completions", {"a": body, "b": {"model": MODEL}})
         assert refused.value.errors[0].line == 2 and "job 2" in str(refused.value)
+
+
+async def test_a_finalizing_that_failed_is_tried_again_by_its_runner(nats):
+    async with bed(nats.url) as b:
+        runner = await b.runner(Ingress())
+        real_put, failures = runner.files.put, []
+
+        async def put_failing_once(*args, **kwargs):
+            if not failures:
+                failures.append(args)
+                raise RuntimeError("the object store went away")
+            return await real_put(*args, **kwargs)
+
+        runner.files.put = put_failing_once  # type: ignore[method-assign]
+        batch = await b.create(lines(2))
+        done = await b.wait_status(batch.id, "completed", timeout_s=10)  # well before another runner's 60 s
+        assert failures and len(await b.output(done.output_file_id)) == 2
