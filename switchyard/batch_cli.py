@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from switchyard.schemas import SwitchyardError
+
 _TERMINAL = ("completed", "failed", "expired", "cancelled")
 _BAR = 30
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
 
 
-class _Refused(Exception):
+class _Refused(SwitchyardError):
     """The API answered with an error (its message is ours to print)."""
 
 
