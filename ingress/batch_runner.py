@@ -65,6 +65,7 @@ Mode = Literal["run", "cancel", "expire"]
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _FETCH_TIMEOUT_S = 0.2
 _STALE_FINALIZING_S = 60
+_ABANDONED_VALIDATING_S = 600  # a batch is queued in seconds (10,000 lines: about one)
 _IDLE_SCANS_BEFORE_SWEEP = 2
 PRIORITY_HEADER = "x-switchyard-priority"
 
@@ -384,6 +385,34 @@ class BatchRunner:
             pass
         log.warning("line %d of %s: out of deliveries, an error line", item.line, item.batch_id)
 
+    async def _abandon(self, batch: schema.Batch) -> None:
+        """A batch left ``validating`` (its ingress died while it queued the lines: nobody knows
+        whether all of them are there): it fails, and what it queued is removed."""
+        error = schema.BatchError(
+            code="validation_interrupted",
+            message="The batch was not fully queued (its ingress stopped); submit it again.",
+        )
+
+        def fail(b: schema.Batch) -> schema.Batch | None:
+            if b.status != "validating":
+                return None
+            return msgspec.structs.replace(
+                b, status="failed", failed_at=now_s(), errors=schema.BatchErrors(data=[error])
+            )
+
+        if await self.store.update(batch.id, fail) is None:
+            return
+        subject, seq = subjects.batch_work(batch.tenant, batch.id), 1
+        while True:
+            try:
+                raw = await self.store.js.get_msg(schema.WORK_STREAM, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                break
+            assert raw.seq is not None
+            await self.store.js.delete_msg(schema.WORK_STREAM, raw.seq)
+            seq = raw.seq + 1
+        log.warning("batch %s was left validating: failed, its queued lines removed", batch.id)
+
     async def _sweep(self, batch: schema.Batch) -> None:
         """What is left of an idle batch's lines on the stream (nothing pending nor in flight):
         lines whose advisory was missed."""
@@ -413,6 +442,9 @@ class BatchRunner:
         for batch in await self.store.all(skip=self._ended):
             if batch.terminal:
                 self._ended.add(batch.id)
+            if batch.status == "validating" and now_s() - batch.created_at >= _ABANDONED_VALIDATING_S:
+                await self._abandon(batch)
+                continue
             if batch.status not in ("in_progress", "cancelling", "finalizing"):
                 continue
             seen.add(batch.id)

@@ -321,3 +321,32 @@ async def test_a_finalizing_that_failed_is_tried_again_by_its_runner(nats):
         batch = await b.create(lines(2))
         done = await b.wait_status(batch.id, "completed", timeout_s=10)  # well before another runner's 60 s
         assert failures and len(await b.output(done.output_file_id)) == 2
+
+
+async def test_a_batch_left_validating_fails_and_its_lines_go(nats):
+    from switchyard.ingress.batch_store import new_batch_id, now_s
+    from switchyard.schemas.batch import WorkItem
+
+    async with bed(nats.url) as b:
+        old = now_s() - 3600  # its ingress died an hour ago while queueing its lines
+        batch = Batch(
+            id=new_batch_id(),
+            endpoint=CHAT,
+            input_file_id="file-x",
+            completion_window="24h",
+            status="validating",
+            created_at=old,
+            expires_at=old + 86400,
+            tenant="acme",
+        )
+        await b.store.create(batch)
+        item = WorkItem(batch_id=batch.id, custom_id="a", line=1, body="{}", endpoint=CHAT, tenant="acme")
+        await b.store.enqueue([item, msgspec.structs.replace(item, custom_id="b", line=2)])
+        other = await b.create(lines(1))  # a batch of its own, untouched
+        ingress = Ingress()
+        await b.runner(ingress)
+        failed = await b.wait_status(batch.id, "failed")
+        assert failed.errors is not None and failed.errors.data[0].code == "validation_interrupted"
+        await b.wait_status(other.id, "completed")
+        assert (await b.store.js.stream_info(WORK_STREAM)).state.messages == 0
+        assert len(ingress.posts) == 1
