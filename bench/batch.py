@@ -45,8 +45,8 @@ _DONE = {"completed", "failed", "expired", "cancelled"}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, required=True, help="Mooncake JSONL or Azure CSV trace (interactive)")
     p.add_argument("--format", choices=["mooncake", "azure"], default=None)
-    p.add_argument("--limit", type=int, default=300, help="the first N requests of the trace")
-    p.add_argument("--prefill", type=int, default=2, help="prefill workers")
+    p.add_argument("--limit", type=int, default=600, help="the first N requests of the trace")
+    p.add_argument("--prefill", type=int, default=4, help="prefill workers (as bench live)")
     p.add_argument("--decode", type=int, default=2, help="decode workers")
     p.add_argument("--time-scale", type=float, default=0.1, help="live seconds per trace second")
     p.add_argument("--token-scale", type=int, default=16, choices=[1, 2, 4, 8, 16, 32, 64])
