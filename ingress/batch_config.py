@@ -17,7 +17,10 @@ class BatchRunnerConfig(ConfigStruct, frozen=True, kw_only=True):
     )
     # With --auth keys on the ingress: a key with the trusted-proxy right, so that each line runs
     # as its batch's tenant (x-switchyard-tenant). Empty: no key (--auth none: tenant default).
-    api_key: Annotated[str, setting("an API key with the trusted-proxy right, for an ingress with --auth keys")] = ""
+    # A file, so that the secret is on no command line, in no environment and in no `config show`.
+    api_key_file: Annotated[
+        str, setting("file holding an API key with the trusted-proxy right, for an ingress with --auth keys")
+    ] = ""
     # Headroom: the runner pulls a line only while the scheduler's central queue holds at most
     # this much, so interactive requests never wait behind batch work (0, 0: an empty queue).
     headroom_queued_requests: Annotated[

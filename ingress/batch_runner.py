@@ -37,6 +37,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import anyio
@@ -53,7 +54,7 @@ from switchyard.ingress.batch_config import BatchRunnerConfig
 from switchyard.ingress.batch_lines import output_files
 from switchyard.ingress.batch_store import BatchStore, now_s
 from switchyard.ingress.batches import OUTPUT_PURPOSE, BatchMaker
-from switchyard.ingress.errors import ApiError
+from switchyard.ingress.errors import ApiError, IngressError
 from switchyard.ingress.files import FileStore
 from switchyard.observability import BusStats, connect, subscribe
 from switchyard.schemas import ClusterStatus, StatusRequest, codec, subjects
@@ -62,6 +63,12 @@ from switchyard.schemas import batch as schema
 log = logging.getLogger(__name__)
 
 Mode = Literal["run", "cancel", "expire"]
+
+
+class ServiceError(IngressError):
+    """The batch runner cannot start as configured (its message says why)."""
+
+
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _FETCH_TIMEOUT_S = 0.2
 _STALE_FINALIZING_S = 60
@@ -168,6 +175,7 @@ class BatchRunner:
         self._pulls_left = 0
         self.lines_run = 0  # results this runner stored (not counting ones already there)
         self._transport = transport
+        self._api_key = _read_key(config.api_key_file)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -334,9 +342,9 @@ class BatchRunner:
 
     def _headers(self, tenant: str) -> dict[str, str]:
         headers = {PRIORITY_HEADER: "batch", "content-type": "application/json"}
-        if self.config.api_key:
-            headers["authorization"] = f"Bearer {self.config.api_key}"
-        if self.config.api_key or tenant != DEFAULT_TENANT:
+        if self._api_key:
+            headers["authorization"] = f"Bearer {self._api_key}"
+        if self._api_key or tenant != DEFAULT_TENANT:
             headers[TENANT_HEADER] = tenant
         return headers
 
@@ -567,7 +575,7 @@ class BatchRunner:
                 await msg.respond(schema.encode(reply))
 
     async def _served_model(self) -> str:
-        headers = {"authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        headers = {"authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         response = await self._http.get("/v1/models", headers=headers, timeout=10.0)
         response.raise_for_status()
         return str(response.json()["data"][0]["id"])
@@ -597,6 +605,16 @@ async def _submit(maker: BatchMaker, data: bytes) -> schema.JobAccepted | schema
     if batch.status == "failed":
         return schema.JobRejected(errors=batch.errors.data if batch.errors else [])
     return schema.JobAccepted(batch=batch)
+
+
+def _read_key(path: str) -> str:
+    """The API key in ``path`` (none: no key); read at start, so a bad path stops it at once."""
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise ServiceError(f"api-key-file {path}: {exc.strerror}") from None
 
 
 async def _keep_in_progress(msg: Msg, every_s: float) -> None:

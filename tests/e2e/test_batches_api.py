@@ -29,8 +29,9 @@ CHAT = "/v1/chat/completions"
 def keys(tmp_path_factory) -> dict[str, str]:
     store = KeyStore(tmp_path_factory.mktemp("auth") / "keys.json")
     secrets = {name: store.create(tenant)[1] for name, tenant in (("alice", "acme"), ("bob", "other"))}
-    secrets["runner"] = store.create("batch-runner", trusted_proxy=True)[1]
-    return secrets | {"path": str(store.path)}
+    runner_file = store.path.parent / "runner.key"
+    runner_file.write_text(store.create("batch-runner", trusted_proxy=True)[1] + "\n")
+    return secrets | {"path": str(store.path), "runner_file": str(runner_file)}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def stack(module_nats, keys):
             BatchRunnerConfig(
                 nats_url=module_nats.url,
                 ingress_url=stack.ingress.url,
-                api_key=keys["runner"],
+                api_key_file=keys["runner_file"],
                 scan_interval_s=0.1,
                 batch_concurrency=4,
             )
