@@ -22,14 +22,14 @@ from typing import Any, Protocol, TypeVar, get_args
 import anyio
 import msgspec
 from prometheus_client import CollectorRegistry, Gauge
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from switchyard.ingress.auth import caller_of
 from switchyard.ingress.batch_lines import Line, check_input
 from switchyard.ingress.batch_store import BatchConflict, BatchStore, new_batch_id, now_s
-from switchyard.ingress.errors import InvalidRequest
+from switchyard.ingress.errors import InvalidRequest, RequestTimeout, RequestTooLarge
 from switchyard.ingress.openai_types import decode_body
 from switchyard.schemas import batch as schema
 
@@ -278,16 +278,17 @@ class BatchApi:
     @_openapi(
         summary="Create a batch from an uploaded file of requests (purpose batch)",
         requestBody=_CREATE_BODY,
-        errors={"400": "a field, the endpoint, the window, or the file's purpose", "404": "no such file"}
+        errors={
+            "400": "a field, the endpoint, the window, or the file's purpose",
+            "404": "no such file",
+            "413": "the body is larger than --max-body-bytes",
+        }
         | _UNAVAILABLE,
     )
     async def create(self, request: Request) -> Response:
         """Create a batch from an uploaded file of requests"""
         await self.store.ensure()
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise InvalidRequest("The request body is too large.")
-        body = decode_body(raw, CreateBatch)
+        body = decode_body(await self._read_body(request), CreateBatch)
         self.maker.check_request(body.endpoint, body.completion_window, body.metadata)
         tenant = caller_of(request).tenant
         info = await self.files.info(body.input_file_id, tenant=tenant)  # 404 for an unknown id
@@ -306,6 +307,19 @@ class BatchApi:
             data=data,
         )
         return JSONResponse(batch.public())
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) as soon as it passes the limit: never held whole first."""
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > self.max_body_bytes:
+                    raise RequestTooLarge(f"The request body exceeds the limit of {self.max_body_bytes} bytes.")
+                parts.append(part)
+        except ClientDisconnect:  # gone, or cut off by the edge's body deadline (ingress.edge)
+            raise RequestTimeout("The request body did not arrive in full.") from None
+        return b"".join(parts)
 
     @_openapi(summary="A batch, by its id", parameters=[_BATCH_ID], errors=_NOT_FOUND | _UNAVAILABLE)
     async def retrieve(self, request: Request) -> Response:
