@@ -143,6 +143,45 @@ def test_a_tool_call_round_trip(client, stream):
     assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result joined the prompt
 
 
+def test_a_batch_runs_on_the_engines(client):
+    """The Batch API once on the vllm engine: three chat lines sharing a system prompt go through
+    the stack's batch runner, prefill -> decode, and come back one output line each with their
+    usage (the shared prefix found in the cache after the first)."""
+    import time
+
+    system = "You dispatch freight trains between yards and answer very briefly. " * 8
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"q{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "tiny-llama",
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Yard {i}?"}],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                },
+            }
+        )
+        for i in range(3)
+    ]
+    file = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch.status
+        time.sleep(0.5)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    out = {
+        json.loads(x)["custom_id"]: json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()
+    }
+    assert sorted(out) == ["q0", "q1", "q2"]
+    usages = [out[k]["response"]["body"]["usage"] for k in sorted(out)]
+    assert all(u["completion_tokens"] == 4 for u in usages)
+    assert max(u["prompt_tokens_details"]["cached_tokens"] for u in usages) >= BLOCK  # the system prompt, cached
+
+
 def test_n_choices_are_prefilled_once_and_decoded_side_by_side(client, bus):
     """n=3: the prefill engine computes the prompt once (its own counters), the decode engine
     samples three choices from the KV it was handed (vLLM's n, seeded: seed + i per choice)."""
