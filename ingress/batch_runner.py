@@ -156,7 +156,10 @@ class _Active:
     def room(self, cap: int) -> bool:
         """One line at a time until the first has a result, so that the lines after it find the
         prefix they share (a system prompt) cached instead of all computing it at once."""
-        return self.in_flight < (cap if self.warm or self.batch.request_counts.done else 1)
+        return self.room_left(cap) > 0
+
+    def room_left(self, cap: int) -> int:
+        return (cap if self.warm or self.batch.request_counts.done else 1) - self.in_flight
 
 
 class BatchRunner:
@@ -220,14 +223,19 @@ class BatchRunner:
         while True:
             await slots.acquire()
             try:
-                active, msg = await self._next_line()
+                active, msgs = await self._next_lines(spare=slots.value)
             except BaseException:
                 slots.release()
                 raise
-            active.in_flight += 1
-            tg.start_soon(self._execute, active, msg, slots)
+            for i, msg in enumerate(msgs):
+                if i:  # the first took the slot acquired above; _next_lines fetched no more than are free
+                    slots.acquire_nowait()
+                active.in_flight += 1
+                tg.start_soon(self._execute, active, msg, slots)
 
-    async def _next_line(self) -> tuple[_Active, Msg]:
+    async def _next_lines(self, spare: int) -> tuple[_Active, list[Msg]]:
+        """Lines of one batch: at least one, and up to ``spare`` more (free slots, the batch's
+        room, the pulls the last status allows), fetched in one pull request."""
         while True:
             now = time.monotonic()
             ready = [
@@ -244,8 +252,11 @@ class BatchRunner:
                 await anyio.sleep(self.config.status_interval_s)
                 continue
             active = self._active[choice[1]]
+            want = 1 + max(0, min(spare, active.room_left(self.config.batch_concurrency) - 1))
+            if not draining:
+                want = min(want, max(1, self._pulls_left))
             try:
-                msgs = await active.sub.fetch(1, timeout=_FETCH_TIMEOUT_S)
+                msgs = await active.sub.fetch(want, timeout=_FETCH_TIMEOUT_S)
             except NatsTimeout:
                 active.empty_until = time.monotonic() + self.config.scan_interval_s
                 continue
@@ -254,8 +265,8 @@ class BatchRunner:
                 active.empty_until = time.monotonic() + self.config.scan_interval_s
                 continue
             if not draining:
-                self._pulls_left -= 1
-            return active, msgs[0]
+                self._pulls_left -= len(msgs)
+            return active, msgs
 
     async def _headroom(self) -> bool:
         stale = time.monotonic() - self._status_at >= self.config.status_interval_s

@@ -210,4 +210,4 @@ def test_a_batch_runs_one_line_until_its_shared_prefix_is_warm() -> None:
     assert not cold.room(4)
     resumed = _Active(batch(request_counts=RequestCounts(total=9, completed=1)), sub=None)  # another runner's result
     resumed.in_flight = 3
-    assert resumed.room(4)
+    assert resumed.room(4) and resumed.room_left(4) == 1 and cold.room_left(4) == 0
