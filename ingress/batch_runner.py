@@ -241,7 +241,10 @@ class BatchRunner:
             ready = [
                 a
                 for a in self._active.values()
-                if not a.finalizing and a.empty_until <= now and a.room(self.config.batch_concurrency)
+                if not a.finalizing
+                and a.batch.status != "finalizing"
+                and a.empty_until <= now
+                and a.room(self.config.batch_concurrency)
             ]
             draining = [a for a in ready if a.mode != "run"]  # dropped, not run: no headroom needed
             if not draining and ready and not await self._headroom():
@@ -421,16 +424,23 @@ class BatchRunner:
 
         if await self.store.update(batch.id, fail) is None:
             return
+        await self._remove_lines(batch)
+        log.warning("batch %s was left validating: failed, its queued lines removed", batch.id)
+
+    async def _remove_lines(self, batch: schema.Batch) -> None:
+        """Whatever of the batch is left on the work queue (no consumer holds it any more)."""
         subject, seq = subjects.batch_work(batch.tenant, batch.id), 1
         while True:
             try:
                 raw = await self.store.js.get_msg(schema.WORK_STREAM, seq=seq, subject=subject, next=True)
             except NotFoundError:
-                break
+                return
             assert raw.seq is not None
-            await self.store.js.delete_msg(schema.WORK_STREAM, raw.seq)
+            try:
+                await self.store.js.delete_msg(schema.WORK_STREAM, raw.seq)
+            except NotFoundError:
+                pass
             seq = raw.seq + 1
-        log.warning("batch %s was left validating: failed, its queued lines removed", batch.id)
 
     async def _sweep(self, batch: schema.Batch) -> None:
         """What is left of an idle batch's lines on the stream (nothing pending nor in flight):
@@ -476,6 +486,13 @@ class BatchRunner:
 
     async def _track(self, batch: schema.Batch) -> None:
         active = self._active.get(batch.id)
+        if active is not None:
+            active.batch = batch
+        if batch.status == "finalizing":  # every line has its result: nothing to pull
+            # Its finalizer died (another runner), or this runner's attempt failed: again.
+            if batch.id in self._finalizing or now_s() - (batch.finalizing_at or 0) >= _STALE_FINALIZING_S:
+                self._tg.start_soon(self._finalize, batch.id)
+            return
         if active is None:
             sub = await self.store.js.pull_subscribe(
                 subjects.batch_work(batch.tenant, batch.id),
@@ -491,11 +508,6 @@ class BatchRunner:
         if active.mode == "cancel":
             for scope in list(active.scopes):
                 scope.cancel()
-        if batch.status == "finalizing":
-            # Its finalizer died (another runner), or this runner's attempt failed: again.
-            if batch.id in self._finalizing or now_s() - (batch.finalizing_at or 0) >= _STALE_FINALIZING_S:
-                self._tg.start_soon(self._finalize, batch.id)
-            return
         if batch.request_counts.done >= batch.request_counts.total:
             self._tg.start_soon(self._finalize, batch.id)
             return
@@ -555,12 +567,15 @@ class BatchRunner:
         output = await self._put_file(batch, "output", ok)
         errors = await self._put_file(batch, "errors", failed)
         status = final_status(batch, results)
+        # Every line has its result: a line still on the queue is one whose result was stored and
+        # whose ack was not (its runner died in between). It goes with the batch's consumer.
+        await self.store.drop_consumer(batch_id)
+        await self._remove_lines(batch)
         done = await self.store.update(
             batch_id, lambda b: finished(b, status, counts, output, errors) if b.status == "finalizing" else None
         )
         self._finalizing.discard(batch_id)
         if done is not None:
-            await self.store.drop_consumer(batch_id)
             log.info("batch %s %s: %d completed, %d failed", batch_id, status, counts.completed, counts.failed)
 
     async def _put_file(self, batch: schema.Batch, kind: str, data: bytes) -> str | None:

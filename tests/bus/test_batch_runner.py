@@ -350,3 +350,55 @@ async def test_a_batch_left_validating_fails_and_its_lines_go(nats):
         await b.wait_status(other.id, "completed")
         assert (await b.store.js.stream_info(WORK_STREAM)).state.messages == 0
         assert len(ingress.posts) == 1
+
+
+async def test_a_line_redelivered_after_its_result_was_stored_gives_no_second_line(nats):
+    """A real redelivery: the runner stores line-1's result and fails before counting and acking
+    it (as one that dies there would); JetStream delivers the line again after ack_wait, the
+    runner acks it without running it again, and the idle batch's recount finds the result."""
+
+    deliveries: list[int] = []
+
+    class FailsBeforeTheAck(BatchRunner):
+        async def _run_line(self, active, item, msg):
+            if item.custom_id == "line-1":
+                deliveries.append(msg.metadata.num_delivered)
+            await super()._run_line(active, item, msg)
+
+        async def _settle(self, item, msg, result):
+            if item.custom_id == "line-1" and msg is not None and len(deliveries) == 1:
+                await self.store.put_result(result)
+                raise RuntimeError("gone before counting and acking")
+            await super()._settle(item, msg, result)
+
+    async with bed(nats.url) as b:
+        ingress = Ingress()
+        runner = FailsBeforeTheAck(b.config(ack_wait_s=1.0), transport=ingress.transport())
+        await b.tg.start(runner.run)
+        batch = await b.create(lines(3))
+        done = await b.wait_status(batch.id, "completed")
+        assert deliveries == [1, 2]
+        out = await b.output(done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == ["line-0", "line-1", "line-2"]
+        assert len(ingress.posts) == 3 and done.request_counts.completed == 3
+        assert (await b.store.js.stream_info(WORK_STREAM)).state.messages == 0
+
+
+async def test_a_line_counted_but_never_acked_leaves_nothing_on_the_queue(nats):
+    """The runner stores and counts line-1's result and fails before acking it: the counts are
+    complete, so the batch finalizes, and the unacked line goes with the batch's consumer."""
+
+    class FailsBeforeTheAck(BatchRunner):
+        async def _settle(self, item, msg, result):
+            if item.custom_id == "line-1" and msg is not None and msg.metadata.num_delivered == 1:
+                await self._store_result(result)
+                raise RuntimeError("gone before the ack")
+            await super()._settle(item, msg, result)
+
+    async with bed(nats.url) as b:
+        ingress = Ingress()
+        await b.tg.start(FailsBeforeTheAck(b.config(ack_wait_s=30.0), transport=ingress.transport()).run)
+        batch = await b.create(lines(3))
+        done = await b.wait_status(batch.id, "completed")
+        assert len(await b.output(done.output_file_id)) == 3 and len(ingress.posts) == 3
+        assert (await b.store.js.stream_info(WORK_STREAM)).state.messages == 0
