@@ -61,7 +61,7 @@ MODEL = "switchyard-sim"
 KINDS = ("workers", "scheduler", "nats")
 LEASE_BUCKET, LEASE_KEY = "switchyard_scheduler_lease", "active"  # scheduler/lease.py's
 OUTCOMES = ("identical", "different", "clean_error", "hang", "broken")
-_READY = re.compile(r"Switchyard is ready: .*\(NATS (\S+), admin credentials (\S+)\)")
+_READY = re.compile(r"Switchyard is ready: .*\(NATS ([^,\s]+), admin credentials ([^,\s)]+)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

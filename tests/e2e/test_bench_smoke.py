@@ -40,6 +40,6 @@ def test_bench_overhead_quick_run_writes_table_json_and_plots(tmp_path):
     assert results["ttft_ms"]["fabric_p50"] > 0 and results["ttft_ms"]["engine_alone_p50"] > 0
     assert [row["streams"] for row in results["throughput"]] == [1, 8]
     assert all(row["tokens"] > 0 and row["engine_alone_tokens_per_s"] > 0 for row in results["throughput"])
-    assert set(results["rss_mib"]) == {"scheduler", "prefill-0", "decode-0", "ingress", "nats-server"}
+    assert set(results["rss_mib"]) == {"scheduler", "prefill-0", "decode-0", "ingress", "batch-runner", "nats-server"}
     for name in ("ttft.png", "throughput.png", "memory.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
