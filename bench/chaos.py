@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -303,8 +304,13 @@ class Up:
 
 @contextmanager
 def running_up(flags: list[str], log: Path, timeout_s: float = 90.0) -> Iterator[Up]:
+    """``switchyard up`` with its JetStream in a data folder of its own beside ``log``: a
+    benchmark's stack never takes the user's folder (nor waits for a ``make run`` holding it)."""
     port = procs.free_port()
-    command = procs.service_command("up", "--port", str(port), "--log-level", "warning", *flags)
+    data = log.with_suffix(".data")
+    command = procs.service_command(
+        "up", "--port", str(port), "--log-level", "warning", "--data-dir", str(data), *flags
+    )
     with log.open("w") as sink:
         popen = procs.spawn(command, env=procs.child_env(), stdout=sink)  # its own group, dies with us
     process = psutil.Process(popen.pid)
@@ -312,6 +318,7 @@ def running_up(flags: list[str], log: Path, timeout_s: float = 90.0) -> Iterator
         yield _wait_ready(process, popen, f"http://127.0.0.1:{port}", log, timeout_s)
     finally:
         _stop(process, popen)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def _wait_ready(process: psutil.Process, popen: subprocess.Popen, url: str, log: Path, timeout_s: float) -> Up:
