@@ -10,7 +10,7 @@ from switchyard.schemas import lazy_attributes
 
 if TYPE_CHECKING:
     from switchyard.ingress.auth import KeyRecord, KeyStore, KeyStoreError, Limits
-    from switchyard.ingress.batch_client import BatchClient, BatchRejected
+    from switchyard.ingress.batch_client import BatchClient, BatchRejected, NoBatchRunner
     from switchyard.ingress.batch_runner import BatchRunner
     from switchyard.ingress.files import FileNotFound, FileObject, FileStore
     from switchyard.ingress.service import IngressService
@@ -20,6 +20,7 @@ _FILES = "switchyard.ingress.files"
 _LAZY = {
     "BatchClient": "switchyard.ingress.batch_client",
     "BatchRejected": "switchyard.ingress.batch_client",
+    "NoBatchRunner": "switchyard.ingress.batch_client",
     "BatchRunner": "switchyard.ingress.batch_runner",
     "FileNotFound": _FILES,
     "FileObject": _FILES,
@@ -46,6 +47,7 @@ __all__ = [
     "KeyStoreError",
     "Limits",
     "ModelTokenizer",
+    "NoBatchRunner",
     "TokenizerError",
 ]
 

@@ -15,11 +15,14 @@ from typing import Any
 
 import anyio
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
 
 from switchyard.ingress.batch_store import BatchStore
 from switchyard.ingress.errors import IngressError
 from switchyard.schemas import batch as schema
 from switchyard.schemas import subjects
+
+_RETRY_S = 0.05
 
 
 class BatchRejected(IngressError):
@@ -28,6 +31,10 @@ class BatchRejected(IngressError):
     def __init__(self, errors: list[schema.BatchError]) -> None:
         super().__init__("; ".join(f"job {e.line}: {e.message}" if e.line else e.message for e in errors))
         self.errors = errors
+
+
+class NoBatchRunner(IngressError):
+    """No batch runner answered the submit within the client's timeout."""
 
 
 class BatchClient:
@@ -51,13 +58,27 @@ class BatchClient:
             tenant=tenant,
             metadata=metadata,
         )
-        reply = await self._nc.request(subjects.BATCH_SUBMIT, schema.encode(submit), timeout=self._timeout_s)
-        match schema.JOB_REPLY.decode(reply.data):
+        match schema.JOB_REPLY.decode(await self._request(schema.encode(submit))):
             case schema.JobAccepted(batch=batch):
                 return batch
             case schema.JobRejected(errors=errors):
                 raise BatchRejected(errors)
         raise AssertionError("unreachable: JobReply has two variants")
+
+    async def _request(self, data: bytes) -> bytes:
+        """The runners' answer. "No responders" means nobody received the submit, so it is sent
+        again until ``timeout_s``: a runner may be (re)starting, and nats-server can answer so
+        for a moment after a queue subscription is made."""
+        deadline = anyio.current_time() + self._timeout_s
+        while True:
+            try:
+                reply = await self._nc.request(subjects.BATCH_SUBMIT, data, timeout=self._timeout_s)
+            except NoRespondersError:
+                if anyio.current_time() >= deadline:
+                    raise NoBatchRunner(f"no batch runner answers on {subjects.BATCH_SUBMIT}") from None
+                await anyio.sleep(_RETRY_S)
+                continue
+            return reply.data
 
     async def status(self, batch_id: str) -> schema.Batch | None:
         await self._store.ensure()

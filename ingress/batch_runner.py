@@ -250,11 +250,14 @@ class BatchRunner:
             if not draining and ready and not await self._headroom():
                 await anyio.sleep(self.config.status_interval_s)
                 continue
-            choice = self.picker.pick([(a.batch.tenant, a.batch.id) for a in (draining or ready)])
+            # By object, not by id: the scan may have dropped a batch while the status was read
+            # (a fetch from its closed subscription then fails like any other, below).
+            candidates = {a.batch.id: a for a in (draining or ready)}
+            choice = self.picker.pick([(a.batch.tenant, a.batch.id) for a in candidates.values()])
             if choice is None:
                 await anyio.sleep(self.config.status_interval_s)
                 continue
-            active = self._active[choice[1]]
+            active = candidates[choice[1]]
             want = 1 + max(0, min(spare, active.room_left(self.config.batch_concurrency) - 1))
             if not draining:
                 want = min(want, max(1, self._pulls_left))

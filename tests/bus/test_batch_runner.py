@@ -23,6 +23,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
+from switchyard.ingress.batch_client import BatchClient
 from switchyard.ingress.batch_config import BatchRunnerConfig
 from switchyard.ingress.batch_runner import BatchRunner
 from switchyard.ingress.batch_store import BatchStore
@@ -279,13 +280,13 @@ async def test_a_job_submitted_on_the_bus_runs_as_a_batch(nats):
         await b.runner(ingress)
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         submit = JobSubmit(endpoint="/v1/completions", jobs=[Job(custom_id="j1", body=body)], tenant="bus")
-        reply = JOB_REPLY.decode((await b.nc.request(subjects.BATCH_SUBMIT, encode(submit), timeout=5)).data)
+        reply = JOB_REPLY.decode(await BatchClient(b.nc)._request(encode(submit)))
         assert isinstance(reply, JobAccepted) and reply.batch.input_file_id is None
         done = await b.wait_status(reply.batch.id, "completed")
         [result] = await b.store.results_of(done.id)
         assert result.custom_id == "j1" and result.ok
         bad = JobSubmit(endpoint="/v1/completions", jobs=[Job(custom_id="j1", body={"model": "nope", "prompt": "x"})])
-        rejected = JOB_REPLY.decode((await b.nc.request(subjects.BATCH_SUBMIT, encode(bad), timeout=5)).data)
+        rejected = JOB_REPLY.decode(await BatchClient(b.nc)._request(encode(bad)))
         assert not isinstance(rejected, JobAccepted) and rejected.errors[0].code == "model_not_found"
 
 
