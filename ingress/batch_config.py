@@ -29,6 +29,12 @@ class BatchRunnerConfig(ConfigStruct, frozen=True, kw_only=True):
     headroom_queued_tokens: Annotated[
         int, setting("pull batch lines only while the scheduler queues at most this many prompt tokens", ge=0)
     ] = 0
+    # And only while every role keeps this share of its workers' token budgets free, so an
+    # interactive request arriving finds room at once instead of waiting for batch lines to end.
+    headroom_free_budget: Annotated[
+        float,
+        setting("pull batch lines only while each role's workers have this share of their budgets free", ge=0, lt=1),
+    ] = 0.1
     status_interval_s: Annotated[float, setting("how often the scheduler's queue is read while pulling", gt=0)] = 0.02
     pulls_per_status: Annotated[int, setting("lines pulled on one reading of the scheduler's queue", gt=0)] = 4
     max_in_flight: Annotated[int, setting("lines this runner runs at once, all batches together", gt=0)] = 64

@@ -78,12 +78,19 @@ PRIORITY_HEADER = "x-switchyard-priority"
 
 
 def has_headroom(status: ClusterStatus | None, config: BatchRunnerConfig) -> bool:
-    """Batch work may be added: the scheduler answers and its queue is (nearly) empty."""
-    return (
-        status is not None
-        and status.queued_requests <= config.headroom_queued_requests
-        and status.queued_tokens <= config.headroom_queued_tokens
-    )
+    """Batch work may be added: the scheduler answers, its queue is (nearly) empty, and each
+    role's workers keep ``headroom_free_budget`` of their token budgets free (a scheduler that
+    does not say its workers' budgets is judged by its queue alone)."""
+    if status is None:
+        return False
+    if status.queued_requests > config.headroom_queued_requests or status.queued_tokens > config.headroom_queued_tokens:
+        return False
+    for role in ("prefill", "decode"):
+        workers = [w for w in status.workers if w.role == role and w.token_budget > 0]
+        budget = sum(w.token_budget for w in workers)
+        if budget and sum(w.inflight_tokens for w in workers) > (1 - config.headroom_free_budget) * budget:
+            return False
+    return True
 
 
 class FairPicker:

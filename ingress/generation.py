@@ -490,6 +490,9 @@ class Generation:
             m.prompt_tokens.labels(tenant).inc(usage.prompt_tokens)
             m.cached_tokens.labels(tenant).inc(usage.cached_tokens)
         m.generation_tokens.labels(tenant).inc(self.completion_tokens)
+        if self.spec.priority > 0:  # batch work (the batch runner's lines)
+            m.batch_tokens.labels(kind="prompt").inc(len(self.spec.prompt_tokens))
+            m.batch_tokens.labels(kind="completion").inc(self.completion_tokens)
         m.recomputed_tokens.inc(self.recomputed_tokens)
         if self.first_token_at is not None:
             m.ttft.observe(self.first_token_at - self.arrived)

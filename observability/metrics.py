@@ -68,6 +68,15 @@ class ServingMetrics:
             registry=r,
         )
         self.generation_tokens = Counter("switchyard_generation_tokens", "Output tokens sent.", ["tenant"], registry=r)
+        self.batch_tokens = Counter(
+            "switchyard_batch_tokens",
+            "Prompt and output tokens of finished batch-priority requests (x-switchyard-priority above 0, as the "
+            "batch runner sends them); their rate is the batch's tokens/s.",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("prompt", "completion"):
+            self.batch_tokens.labels(kind=kind)
         self.tenant_requests = Counter(
             "switchyard_tenant_requests",
             "Finished requests by tenant and outcome (ok, error, cancelled).",

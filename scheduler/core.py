@@ -275,6 +275,7 @@ class SchedulerCore:
                 engine=w.last_report.engine if w.last_report else "",
                 boot_s=w.last_report.boot_s if w.last_report else 0.0,
                 stats=w.last_report.stats if w.last_report else None,
+                token_budget=w.token_budget,
             )
             for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
         ]

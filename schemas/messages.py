@@ -156,6 +156,7 @@ class WorkerSummary(_Wire, frozen=True):
     engine: str = ""
     boot_s: float = 0.0
     stats: EngineStats | None = None
+    token_budget: int = 0  # what the scheduler may place on it (0: not said, an older scheduler)
 
 
 class ClusterStatus(_Wire, frozen=True, tag="cluster_status"):

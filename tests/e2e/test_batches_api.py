@@ -126,6 +126,9 @@ def test_metrics_show_batches_by_status_and_their_lines(stack, alice):
     assert float(samples['switchyard_batches{status="completed"}']) >= 1
     assert float(samples['switchyard_batch_lines{outcome="completed"}']) >= 1
     assert 'switchyard_batches{status="cancelling"}' in samples and "switchyard_batch_queue_depth" in samples
+    # The runner sends its lines at batch priority: their tokens are counted apart (rate: tokens/s).
+    assert float(samples['switchyard_batch_tokens_total{kind="completion"}']) >= 1
+    assert float(samples['switchyard_batch_tokens_total{kind="prompt"}']) >= 1
 
 
 def test_a_completions_batch(alice):

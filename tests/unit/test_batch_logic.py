@@ -15,7 +15,7 @@ from switchyard.ingress.batch_runner import FairPicker, _Active, counts_of, fina
 from switchyard.ingress.batch_store import BatchConflict
 from switchyard.ingress.batches import BatchMaker, cancelled, page
 from switchyard.ingress.errors import InvalidRequest
-from switchyard.schemas import ClusterStatus
+from switchyard.schemas import ClusterStatus, WorkerSummary
 from switchyard.schemas.batch import Batch, LineError, LineResult, RequestCounts
 
 MODEL = "switchyard-sim"
@@ -187,6 +187,21 @@ def test_headroom_is_an_empty_queue_by_default_and_a_setting() -> None:
     assert not has_headroom(None, cfg)  # no scheduler answers: nothing is added
     loose = BatchRunnerConfig(headroom_queued_requests=2, headroom_queued_tokens=100)
     assert has_headroom(status(2, 100), loose) and not has_headroom(status(2, 101), loose)
+
+
+def test_headroom_keeps_a_share_of_every_roles_budget_free() -> None:
+    def fleet(prefill_load: int, decode_load: int, budget: int = 1000) -> ClusterStatus:
+        workers = [
+            WorkerSummary(worker_id="p", role="prefill", inflight_tokens=prefill_load, running=1, token_budget=budget),
+            WorkerSummary(worker_id="d", role="decode", inflight_tokens=decode_load, running=1, token_budget=budget),
+        ]
+        return ClusterStatus(workers=workers, queued_requests=0, queued_tokens=0)
+
+    cfg = BatchRunnerConfig()  # 10% free
+    assert has_headroom(fleet(900, 0), cfg) and has_headroom(fleet(0, 900), cfg)
+    assert not has_headroom(fleet(901, 0), cfg) and not has_headroom(fleet(0, 950), cfg)
+    assert has_headroom(fleet(5000, 5000, budget=0), cfg)  # budgets not said: the queue decides
+    assert not has_headroom(fleet(600, 0), BatchRunnerConfig(headroom_free_budget=0.5))
 
 
 def test_the_picker_serves_tenants_in_turn_then_their_batches() -> None:

@@ -89,6 +89,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
                     engine="vllm",
                     boot_s=31.5,
                     stats=STATS,
+                    token_budget=4096,
                 )
             ],
             queued_requests=4,
