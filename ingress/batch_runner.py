@@ -33,9 +33,11 @@ lines not run got ``batch_expired``). Cancelled and expired lines are drained wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -437,8 +439,8 @@ class BatchRunner:
         await self._remove_lines(batch)
         log.warning("batch %s was left validating: failed, its queued lines removed", batch.id)
 
-    async def _remove_lines(self, batch: schema.Batch) -> None:
-        """Whatever of the batch is left on the work queue (no consumer holds it any more)."""
+    async def _lines_left(self, batch: schema.Batch) -> AsyncIterator[int]:
+        """The stream sequence of each of the batch's lines still on the work queue, in order."""
         subject, seq = subjects.batch_work(batch.tenant, batch.id), 1
         while True:
             try:
@@ -446,25 +448,20 @@ class BatchRunner:
             except NotFoundError:
                 return
             assert raw.seq is not None
-            try:
-                await self.store.js.delete_msg(schema.WORK_STREAM, raw.seq)
-            except NotFoundError:
-                pass
+            yield raw.seq
             seq = raw.seq + 1
+
+    async def _remove_lines(self, batch: schema.Batch) -> None:
+        """Whatever of the batch is left on the work queue (no consumer holds it any more)."""
+        async for seq in self._lines_left(batch):
+            with contextlib.suppress(NotFoundError):
+                await self.store.js.delete_msg(schema.WORK_STREAM, seq)
 
     async def _sweep(self, batch: schema.Batch) -> None:
         """What is left of an idle batch's lines on the stream (nothing pending nor in flight):
         lines whose advisory was missed."""
-        subject = subjects.batch_work(batch.tenant, batch.id)
-        seq = 1
-        while True:
-            try:
-                raw = await self.store.js.get_msg(schema.WORK_STREAM, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                return
-            assert raw.seq is not None
-            await self._give_up(raw.seq)
-            seq = raw.seq + 1
+        async for seq in self._lines_left(batch):
+            await self._give_up(seq)
 
     # --- the batch records ----------------------------------------------------------------------
 

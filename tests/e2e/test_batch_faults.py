@@ -15,43 +15,14 @@ import psutil
 import pytest
 
 from switchyard import procs
-from tests.e2e.test_up import _wait_ready_line
+from tests.e2e.test_up import _start_up, _wait_ready_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 LINES = 240
 
 
-def _start_up(port: int):
-    import subprocess
-
-    return subprocess.Popen(
-        procs.service_command(
-            "up",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--report-interval-s",
-            "0.2",
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--batch-runners",
-            "2",
-            "--sim-decode-step-base-s",
-            "0.01",
-            "--sim-prefill-per-token-s",
-            "0.0002",
-            "--max-restarts",
-            "10",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=procs.child_env(),
-        start_new_session=True,
-    )
+FLEET = ["--prefill", "2", "--decode", "2", "--batch-runners", "2", "--max-restarts", "10"]
+COSTS = ["--sim-decode-step-base-s", "0.01", "--sim-prefill-per-token-s", "0.0002"]
 
 
 def _child(proc, name: str) -> psutil.Process:
@@ -80,7 +51,7 @@ def _wait_status(client, batch_id: str, done: set[str], timeout_s: float):
 
 def test_every_line_ends_exactly_once_through_kills_of_every_part():
     port = procs.free_port()
-    proc = _start_up(port)
+    proc = _start_up(port, *FLEET, *COSTS)
     try:
         _wait_ready_line(proc, 90)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=3, timeout=30)

@@ -14,9 +14,11 @@ import pytest
 from switchyard import procs
 
 
-def _start_up(port: int) -> subprocess.Popen:
+def _start_up(port: int, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        procs.service_command("up", "--port", str(port), "--log-level", "warning", "--report-interval-s", "0.2"),
+        procs.service_command(
+            "up", "--port", str(port), "--log-level", "warning", "--report-interval-s", "0.2", *flags
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
