@@ -28,20 +28,19 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from switchyard.ingress.auth import AuthMiddleware, Gate, caller_of
 from switchyard.ingress.config import IngressConfig
+from switchyard.ingress.edge import read_body
 from switchyard.ingress.errors import (
     ApiError,
     ContextLengthExceeded,
     InvalidRequest,
     ModelNotFound,
     RateLimited,
-    RequestTimeout,
-    RequestTooLarge,
     Unavailable,
     internal_error,
 )
@@ -259,20 +258,7 @@ class Ingress:
     # --- checks ------------------------------------------------------------------------------
 
     async def _read_body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise RequestTooLarge(f"The request body is {declared} bytes; the limit is {limit}.")
-        parts, size = [], 0
-        try:
-            async for part in request.stream():
-                size += len(part)
-                if size > limit:
-                    raise RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.")
-                parts.append(part)
-        except ClientDisconnect:  # gone, or cut off by the edge's body deadline (ingress.edge)
-            raise RequestTimeout("The request body did not arrive in full.") from None
-        return b"".join(parts)
+        return await read_body(request, self.config.max_body_bytes)
 
     def _check_streams(self) -> None:
         """Exact, since nothing awaits between here and the route's opening."""

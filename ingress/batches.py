@@ -16,25 +16,25 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, get_args
+from typing import Any, Protocol, get_args
 
 import anyio
 import msgspec
 from prometheus_client import CollectorRegistry, Gauge
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from switchyard.ingress.auth import caller_of
 from switchyard.ingress.batch_lines import Line, check_input
 from switchyard.ingress.batch_store import BatchConflict, BatchStore, new_batch_id, now_s
-from switchyard.ingress.errors import InvalidRequest, RequestTimeout, RequestTooLarge
+from switchyard.ingress.edge import read_body
+from switchyard.ingress.errors import InvalidRequest
 from switchyard.ingress.openai_types import decode_body
+from switchyard.ingress.openapi import described
 from switchyard.schemas import batch as schema
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 INPUT_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
@@ -208,16 +208,6 @@ _CREATE_BODY = {
 }
 
 
-def _openapi(**operation: Any) -> Callable[[_T], _T]:
-    """The route's OpenAPI operation, read by ``ingress.openapi`` (as ``ingress.files`` does)."""
-
-    def describe(handler: _T) -> _T:
-        setattr(handler, "openapi", {"errors": {}, **operation})  # noqa: B010 (a function's attribute)
-        return handler
-
-    return describe
-
-
 class BatchMetrics:
     """What ``/metrics`` shows of batches, read from JetStream at each scrape: batches by status,
     their lines by outcome (``pending``: not finished yet), and the lines on the work queue."""
@@ -275,7 +265,7 @@ class BatchApi:
             Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
         ]
 
-    @_openapi(
+    @described(
         summary="Create a batch from an uploaded file of requests (purpose batch)",
         requestBody=_CREATE_BODY,
         errors={
@@ -288,7 +278,7 @@ class BatchApi:
     async def create(self, request: Request) -> Response:
         """Create a batch from an uploaded file of requests"""
         await self.store.ensure()
-        body = decode_body(await self._read_body(request), CreateBatch)
+        body = decode_body(await read_body(request, self.max_body_bytes), CreateBatch)
         self.maker.check_request(body.endpoint, body.completion_window, body.metadata)
         tenant = caller_of(request).tenant
         info = await self.files.info(body.input_file_id, tenant=tenant)  # 404 for an unknown id
@@ -308,27 +298,14 @@ class BatchApi:
         )
         return JSONResponse(batch.public())
 
-    async def _read_body(self, request: Request) -> bytes:
-        """The body, refused (413) as soon as it passes the limit: never held whole first."""
-        parts, size = [], 0
-        try:
-            async for part in request.stream():
-                size += len(part)
-                if size > self.max_body_bytes:
-                    raise RequestTooLarge(f"The request body exceeds the limit of {self.max_body_bytes} bytes.")
-                parts.append(part)
-        except ClientDisconnect:  # gone, or cut off by the edge's body deadline (ingress.edge)
-            raise RequestTimeout("The request body did not arrive in full.") from None
-        return b"".join(parts)
-
-    @_openapi(summary="A batch, by its id", parameters=[_BATCH_ID], errors=_NOT_FOUND | _UNAVAILABLE)
+    @described(summary="A batch, by its id", parameters=[_BATCH_ID], errors=_NOT_FOUND | _UNAVAILABLE)
     async def retrieve(self, request: Request) -> Response:
         """A batch, by its id"""
         await self.store.ensure()
         batch = await self.store.visible(request.path_params["batch_id"], caller_of(request).tenant)
         return JSONResponse(batch.public())
 
-    @_openapi(
+    @described(
         summary="The caller's batches, newest first, in pages",
         parameters=[
             {"name": "after", "in": "query", "schema": {"type": "string"}},
@@ -346,7 +323,7 @@ class BatchApi:
         batches = await self.store.of_tenant(caller_of(request).tenant)
         return JSONResponse(page(batches, after, int(limit_text)))
 
-    @_openapi(
+    @described(
         summary="Cancel a batch",
         parameters=[_BATCH_ID],
         errors=_NOT_FOUND | {"409": "the batch has ended"} | _UNAVAILABLE,

@@ -39,10 +39,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, cast
 
+from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from switchyard.ingress.config import IngressConfig
-from switchyard.ingress.errors import ApiError, HeadersTooLarge, RequestTimeout, Unavailable
+from switchyard.ingress.errors import ApiError, HeadersTooLarge, RequestTimeout, RequestTooLarge, Unavailable
 from switchyard.observability import EDGE_REFUSAL_REASONS, ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -261,3 +262,22 @@ def _response(error: ApiError, default_headers: list[tuple[bytes, bytes]]) -> by
 
 def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "a client"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """A JSON body, refused (413) past ``limit`` bytes: at once when its content-length says so,
+    else as soon as the bytes arriving pass it, so it is never held whole first; one cut off
+    (gone, or past the body deadline above) is a 408."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"The request body is {declared} bytes; the limit is {limit}.")
+    parts, size = [], 0
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+            parts.append(part)
+    except ClientDisconnect:
+        raise RequestTimeout("The request body did not arrive in full.") from None
+    return b"".join(parts)

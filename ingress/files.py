@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import anyio
 import msgspec
@@ -52,6 +52,7 @@ from starlette.routing import Route
 
 from switchyard.ingress.auth import caller_of
 from switchyard.ingress.errors import ApiError, InvalidRequest, RequestTimeout, RequestTooLarge, Unavailable
+from switchyard.ingress.openapi import described
 from switchyard.schemas import files
 
 log = logging.getLogger(__name__)
@@ -344,7 +345,6 @@ def files_routes(store: Callable[[], FileStore]) -> list[Route]:
     ]
 
 
-_T = TypeVar("_T")
 _FILE_ID = {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _NOT_FOUND = {"404": "no such file for this caller (another tenant's files are not there for it)"}
 _UNAVAILABLE = {"503": "file storage is unavailable (no JetStream), or see the edge's reasons"}
@@ -371,22 +371,11 @@ _LIST_PARAMETERS = [
 ]
 
 
-def _openapi(**operation: Any) -> Callable[[_T], _T]:
-    """The route's OpenAPI operation, read by ``ingress.openapi`` (summary, parameters,
-    requestBody, content, errors)."""
-
-    def describe(handler: _T) -> _T:
-        setattr(handler, "openapi", {"errors": {}, **operation})  # noqa: B010 (a function's attribute)
-        return handler
-
-    return describe
-
-
 class _FilesApi:
     def __init__(self, store: Callable[[], FileStore]) -> None:
         self._store = store
 
-    @_openapi(
+    @described(
         summary="Upload a file (multipart/form-data: file, purpose)",
         requestBody=_UPLOAD,
         errors={"400": "not a form, no file or purpose, a purpose not accepted", "413": "over --files-max-bytes"}
@@ -408,7 +397,7 @@ class _FilesApi:
             await form.close()
         return _json(file)
 
-    @_openapi(
+    @described(
         summary="The caller's files, newest first, in pages",
         parameters=_LIST_PARAMETERS,
         errors={"400": "a limit or order out of range"} | _UNAVAILABLE,
@@ -436,12 +425,12 @@ class _FilesApi:
         }
         return Response(msgspec.json.encode(body), media_type="application/json")
 
-    @_openapi(summary="One of the caller's files", parameters=[_FILE_ID], errors=_NOT_FOUND | _UNAVAILABLE)
+    @described(summary="One of the caller's files", parameters=[_FILE_ID], errors=_NOT_FOUND | _UNAVAILABLE)
     async def retrieve(self, request: Request) -> Response:
         """One of the caller's files"""
         return _json(await self._store().info(request.path_params["file_id"], tenant=caller_of(request).tenant))
 
-    @_openapi(summary="Delete one of the caller's files", parameters=[_FILE_ID], errors=_NOT_FOUND | _UNAVAILABLE)
+    @described(summary="Delete one of the caller's files", parameters=[_FILE_ID], errors=_NOT_FOUND | _UNAVAILABLE)
     async def delete(self, request: Request) -> Response:
         """Delete one of the caller's files"""
         file_id = request.path_params["file_id"]
@@ -449,7 +438,7 @@ class _FilesApi:
             raise FileNotFound(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
-    @_openapi(
+    @described(
         summary="The bytes of one of the caller's files",
         parameters=[_FILE_ID],
         content={"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},

@@ -10,9 +10,9 @@ that no body, valid or not, gets a 5xx or a hang.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.routing import BaseRoute, Route
@@ -124,6 +124,20 @@ _ENDPOINTS = {
     "/metrics": _Endpoint("Prometheus metrics", content={"text/plain": {"schema": {"type": "string"}}}),
     "/openapi.json": _Endpoint("This document"),
 }
+
+
+_T = TypeVar("_T")
+
+
+def described(**operation: Any) -> Callable[[_T], _T]:
+    """A route handler that says its own OpenAPI operation (summary, parameters, requestBody,
+    content, errors), read by ``openapi_document``."""
+
+    def describe(handler: _T) -> _T:
+        setattr(handler, "openapi", {"errors": {}, **operation})  # noqa: B010 (a function's attribute)
+        return handler
+
+    return describe
 
 
 def openapi_document(routes: Sequence[BaseRoute], model: str) -> bytes:
