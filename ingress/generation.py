@@ -328,8 +328,10 @@ class Generation:
             await _send_json(send, generation_error(exc.error.code, exc.error.message))
             return
         self.outcome = "ok"
+        asked = self.token_text is not None  # joined only when the request asked for them
         choices = [
-            self._choice_body(c, "".join(parts[c.index]), _joined(logprobs[c.index], self.kind)) for c in self.choices
+            self._choice_body(c, "".join(parts[c.index]), _joined(logprobs[c.index], self.kind) if asked else None)
+            for c in self.choices
         ]
         body = {
             "id": self.spec.request_id,
@@ -341,10 +343,9 @@ class Generation:
         }
         await _send_json(send, None, body)
 
-    def _choice_body(self, choice: Choice, text: str, logprobs: dict) -> dict:
-        shown = logprobs if self.token_text is not None else None
+    def _choice_body(self, choice: Choice, text: str, logprobs: dict | None) -> dict:
         if self.kind != "chat":
-            return {"index": choice.index, "text": text, "logprobs": shown, "finish_reason": choice.finish_reason}
+            return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if choice.reader is not None:
             parsed = collect([*choice.reader.push(text), *choice.reader.finish()])
@@ -355,7 +356,7 @@ class Generation:
                     {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                     for c in parsed.tool_calls
                 ]
-        return {"index": choice.index, "message": message, "logprobs": shown, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
     # --- streaming ----------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ the grammar whole (``SamplingParams.decode_samples_first``; docs/architecture.md
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -128,20 +129,13 @@ def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOu
                 param="structured_outputs",
             )
         found.append(("structured_outputs", _constraint(so.json, so.json_object, so.regex, so.choice, so.grammar)))
-    guided = {
-        "guided_json": lambda v: _constraint(json=v),
-        "guided_regex": lambda v: _constraint(regex=v),
-        "guided_choice": lambda v: _constraint(choice=v),
-        "guided_grammar": lambda v: _constraint(grammar=v),
-    }
-    for name, value in (
-        ("guided_json", body.guided_json),
-        ("guided_regex", body.guided_regex),
-        ("guided_choice", body.guided_choice),
-        ("guided_grammar", body.guided_grammar),
-    ):
-        if value is not None:
-            found.append((name, guided[name](value)))
+    guided: list[tuple[str, Any, Callable[[Any], StructuredOutput]]] = [
+        ("guided_json", body.guided_json, lambda v: _constraint(json=v)),
+        ("guided_regex", body.guided_regex, lambda v: _constraint(regex=v)),
+        ("guided_choice", body.guided_choice, lambda v: _constraint(choice=v)),
+        ("guided_grammar", body.guided_grammar, lambda v: _constraint(grammar=v)),
+    ]
+    found += [(name, make(value)) for name, value, make in guided if value is not None]
     if len(found) > 1:
         names = ", ".join(f"`{name}`" for name, _ in found)
         raise InvalidRequest(f"Give one output constraint, not several: {names}.", param=found[1][0])
