@@ -526,6 +526,7 @@ class VllmEngine:
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             n=sampling.n,
+            grammar=True,
             extra_args=extra,
             kind=RequestOutputKind.DELTA,
         )
@@ -608,11 +609,15 @@ class VllmEngine:
         max_tokens: int,
         min_tokens: int,
         n: int = 1,
+        grammar: bool = False,
         extra_args: dict | None = None,
         kind=None,
     ):
-        """vLLM's sampling params for one run: the prefill's (one token, one choice: it only
-        computes the prompt once) or the decode's (every choice)."""
+        """vLLM's sampling params for one run: the prefill's (one token, one choice, no grammar:
+        it only computes the prompt once, and a constrained request's token 0 is the decode's)
+        or the decode's (every choice, under the request's grammar when it has one). The grammar
+        is not compiled on the prefill engine, so a schema vLLM refuses fails its own decode
+        alone, never the prefill batch it shared with other requests."""
         from vllm import SamplingParams
 
         s = spec.sampling
@@ -642,7 +647,7 @@ class VllmEngine:
             "detokenize": False,
             "extra_args": extra_args,
         }
-        if s.structured is not None:
+        if grammar and s.structured is not None:
             kwargs["structured_outputs"] = structured_params(s.structured)
         if kind is not None:
             kwargs["output_kind"] = kind

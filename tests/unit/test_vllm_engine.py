@@ -270,3 +270,22 @@ def test_a_constrained_prefill_sends_the_usage_but_not_its_token():
     chunk, done = first_token("w-1", PrefillTask(spec=spec, queued_s=0.0), result)
     assert chunk.token_ids == [] and chunk.finish_reason is None and chunk.usage.cached_tokens == 16
     assert done.first_token == -1 and not done.finished  # decode samples token 0, even for max_tokens 1
+
+
+async def test_a_constrained_prefill_compiles_no_grammar(fake_vllm, tmp_path):
+    """The prefill's token 0 of a constrained request is dropped: its run carries no grammar, so a
+    schema vLLM refuses cannot fail the prefill batch it shares with other requests."""
+    import msgspec
+
+    from switchyard.schemas import StructuredOutput
+
+    fake_vllm.llm = RecordingLLM(lambda rid: [output([5], "length")])
+    spec = make_spec("r1", max_tokens=8)
+    spec = msgspec.structs.replace(
+        spec, sampling=msgspec.structs.replace(spec.sampling, structured=StructuredOutput(json_object=True))
+    )
+    vllm = engine(tmp_path, "prefill")
+    async with vllm.serving():
+        await vllm.prefill([PrefillTask(spec=spec, queued_s=0.0)])
+    ((_, params),) = fake_vllm.llm.calls
+    assert params.structured_outputs is None and params.max_tokens == 1
