@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -75,5 +76,9 @@ def module_nats():
 
 @pytest.fixture
 def spans():
+    """The spans finished from here on. A span of an earlier test's request may still end after
+    this (its generation cleans up after the client has its response): ``cleared_at`` (ns, the
+    clock spans start by) lets a test take only the spans that started in it."""
     SPANS.clear()
+    SPANS.cleared_at = time.time_ns()  # type: ignore[attr-defined]
     return SPANS

@@ -39,8 +39,13 @@ def outcomes(stack) -> dict[str, float]:
 
 
 def finished_span(spans):
-    assert wait_until(lambda: any(s.name == f"POST {CHAT}" for s in spans.get_finished_spans()))
-    (span,) = [s for s in spans.get_finished_spans() if s.name == f"POST {CHAT}"]
+    """This test's request span (an earlier test's may end late, after the exporter was cleared)."""
+
+    def ours():
+        return [s for s in spans.get_finished_spans() if s.name == f"POST {CHAT}" and s.start_time >= spans.cleared_at]
+
+    assert wait_until(lambda: any(ours()))
+    (span,) = ours()
     return span
 
 
