@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from switchyard.scheduler.config import SchedulerConfig, SchedulerServiceConfig
 from switchyard.scheduler.core import Action, BindSession, Dispatch, FailStream, RequestSnapshot, SchedulerCore
 from switchyard.scheduler.policies import POLICIES
+from switchyard.scheduler.regions import REGION_POLICIES, RegionPolicy, RegionRouter, Route
 from switchyard.schemas import lazy_attributes
 
 if TYPE_CHECKING:
@@ -17,11 +18,15 @@ _LAZY = {"SchedulerService": "switchyard.scheduler.service"}
 
 __all__ = [
     "POLICIES",
+    "REGION_POLICIES",
     "Action",
     "BindSession",
     "Dispatch",
     "FailStream",
+    "RegionPolicy",
+    "RegionRouter",
     "RequestSnapshot",
+    "Route",
     "SchedulerConfig",
     "SchedulerCore",
     "SchedulerService",

@@ -50,6 +50,14 @@ class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
     default_decode_s: Annotated[
         float, setting("a decode's duration assumed before one is measured (for Retry-After)", gt=0)
     ] = 10.0
+    spill_wait_s: Annotated[
+        float,
+        setting(
+            "federation: this region counts as saturated (other regions' ingresses send it no new sessions, "
+            "and its own spill them) once its predicted queue time passes this",
+            gt=0,
+        ),
+    ] = 2.0
     local_prefill_max_tokens: Annotated[
         int, setting("prompts with at most this many uncached tokens prefill on their decode worker", ge=0)
     ] = 0
@@ -84,6 +92,10 @@ class SchedulerServiceConfig(ConfigStruct, frozen=True, kw_only=True):
     takeover_settle_s: Annotated[
         float, setting("a scheduler taking over waits at most this long for the workers' roll-call answers", gt=0)
     ] = 0.5
+    region: Annotated[
+        str, setting("federation: this scheduler's region (it then publishes the region's summary); empty: none")
+    ] = ""
+    summary_interval_s: Annotated[float, setting("federation: how often the region's summary is published", gt=0)] = 0.5
     standby_shadow_bytes: Annotated[
         int, setting("bytes of submits a standby scheduler keeps, to account for them when it takes over", gt=0)
     ] = 64 << 20

@@ -49,6 +49,7 @@ from switchyard.schemas import (
     PrefillDone,
     PrefillFailed,
     PrefillTask,
+    RegionSummary,
     Rejected,
     RequestFinished,
     RequestSpec,
@@ -287,6 +288,31 @@ class SchedulerCore:
             session_bindings=len(self.sessions),
             sessions_dropped=self.sessions_dropped,
             abandoned_handoffs=self.abandoned_handoffs,
+        )
+
+    def region_summary(self, region: str, scheduler_id: str, seq: int, sent_at: float) -> RegionSummary:
+        """What this region says of itself to the others (``scheduler.regions``)."""
+        prefill = [w for w in self.workers.values() if w.role != "decode"]
+        wait = self.predicted_wait_s()
+        capacity = self.decode_capacity()
+        decode_full = self._decode_demand > self.config.decode_overcommit * capacity
+        queue_full = self._queue.tokens > 0.9 * self.config.max_queued_tokens
+        return RegionSummary(
+            region=region,
+            scheduler_id=scheduler_id,
+            seq=seq,
+            sent_at=sent_at,
+            predicted_wait_s=wait,
+            prefill_tokens_per_s=sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s,
+            queued_requests=len(self._queue),
+            queued_tokens=self._queue.tokens,
+            inflight_tokens=sum(w.load_tokens for w in prefill),
+            prefill_budget_tokens=sum(w.token_budget for w in prefill),
+            decode_capacity_tokens=capacity,
+            decode_demand_tokens=self._decode_demand,
+            prefill_workers=len(prefill),
+            decode_workers=sum(1 for w in self.workers.values() if w.role != "prefill"),
+            saturated=not prefill or wait > self.config.spill_wait_s or queue_full or decode_full,
         )
 
     def predicted_wait_s(self) -> float:

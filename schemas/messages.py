@@ -435,6 +435,42 @@ class StreamBatch(_Wire, frozen=True):
     chunks: list[StreamChunk]
 
 
+# --- federation: region -> every region (subjects.fed_summary, fed_session) -------------
+
+
+class RegionSummary(_Wire, frozen=True):
+    """What a region's active scheduler says of its load, every ``summary_interval_s``: how
+    the others decide whether to send it work (``scheduler.regions``). A region with no
+    summary for ``dark_after_s`` is dark: dropped from routing."""
+
+    region: str
+    scheduler_id: str
+    seq: int  # counts this scheduler's summaries from 1
+    sent_at: float  # wall clock (informational: regions' clocks differ)
+    predicted_wait_s: float  # to work off what is queued and in flight on its prefill fleet
+    prefill_tokens_per_s: float  # its prefill fleet's rate (learned, or the configured default)
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    inflight_tokens: int = 0  # prompt tokens placed on its prefill workers
+    prefill_budget_tokens: int = 0  # what its prefill workers accept at once
+    decode_capacity_tokens: int = 0
+    decode_demand_tokens: int = 0
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    # It would queue a new request past its spill threshold, or refuse it: send work elsewhere.
+    saturated: bool = False
+
+
+class SessionPlacement(_Wire, frozen=True):
+    """The session directory's entry: the region that holds a session's prefix (subject
+    ``fed_session(region of the writer, key)``; key: BLAKE2b-128 of tenant and session)."""
+
+    region: str
+    prompt_tokens: int  # the prompt that region last computed: its cached prefix, about
+    at: float  # wall clock of the write: the newest entry of a key wins
+    expires_at: float  # wall clock
+
+
 __all__ = [
     "Admitted",
     "AllBlocksCleared",
@@ -461,6 +497,7 @@ __all__ = [
     "PrefillFailed",
     "PrefillTask",
     "PromptUsage",
+    "RegionSummary",
     "RejectReason",
     "Rejected",
     "RequestFinished",
@@ -470,6 +507,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerReply",
     "SchedulerRequest",
+    "SessionPlacement",
     "SimKvHandle",
     "StatusRequest",
     "StreamBatch",

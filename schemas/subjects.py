@@ -91,3 +91,66 @@ def every_batch_work() -> str:
 def batch_max_deliveries(stream: str, consumer: str = "*") -> str:
     """JetStream's advisory: a message of ``stream`` delivered ``max_deliver`` times, never acked."""
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
+
+
+# --- federation: regions joined as a NATS supercluster (docs/architecture.md, "Regions") ----
+#
+# Each region is its own NATS account: every subject above stays inside its region (KV
+# events, tasks, worker events, JetStream). Only what follows crosses a gateway, by the
+# accounts' exports and imports (``switchyard.nats_config`` writes them from this table):
+# a region *exports* ``fed_root(region)`` (its summaries, its session bindings), its
+# stream subjects, and the services ``SUBMIT``, ``CANCEL`` and ``FED_PING``; every other
+# region *imports* them, the services under ``to_region(region, ...)``. A region's own
+# subjects carry its name, so nothing imported is ever exported again (NATS refuses cycles).
+
+# region -> every region, answered by its scheduler(s) (queue group FED_PING_QUEUE): an empty
+# request whose reply measures the round trip to the region
+FED_PING = f"{ROOT}.fed.ping"
+FED_PING_QUEUE = "fed-ping"
+
+
+def fed_root(region: str) -> str:
+    """Everything a region publishes for the others: ``sy.v1.fed.<region>.>``."""
+    return f"{ROOT}.fed.{region}.>"
+
+
+def fed_summary(region: str) -> str:
+    """region's active scheduler -> every region, publish: RegionSummary, every
+    ``summary_interval_s``."""
+    return f"{ROOT}.fed.{region}.summary"
+
+
+def every_fed_summary() -> str:
+    return f"{ROOT}.fed.*.summary"
+
+
+def fed_session(region: str, key: str) -> str:
+    """an ingress of ``region`` -> every region's session directory, publish: SessionPlacement
+    (``key``: BLAKE2b-128 hex of the tenant and session)."""
+    return f"{ROOT}.fed.{region}.session.{key}"
+
+
+def every_fed_session() -> str:
+    """What each region's session directory stream holds: every region's bindings."""
+    return f"{ROOT}.fed.*.session.*"
+
+
+def to_region(region: str, service: str) -> str:
+    """Another region's service as this region sees it (an account import): ``service`` is
+    ``submit`` (``SUBMIT``), ``cancel`` (``CANCEL``) or ``ping`` (``FED_PING``)."""
+    return f"{ROOT}.to.{region}.{service}"
+
+
+# The services each region exports, by the name ``to_region`` gives them.
+FED_SERVICES = {"submit": SUBMIT, "cancel": CANCEL, "ping": FED_PING}
+
+
+def region_streams(region: str) -> str:
+    """The streams of ``region``'s ingresses, whose ids are ``<region>.<id>``: what a region
+    imports from every other (a worker there streams to an ingress here)."""
+    return f"{ROOT}.stream.{region}.>"
+
+
+def every_stream() -> str:
+    """What a region exports of its stream subjects (the importer takes its own part)."""
+    return f"{ROOT}.stream.>"
