@@ -151,8 +151,7 @@ class RegionRouter:
         if self.policy == "blind":
             best = min(candidates, key=lambda n: (self._queue_s(n), n != self.home, n))
             return self._chosen(best, "blind", prompt_tokens - cached(best))
-        bound = placement is not None and placement.region != self.home and placement.region in candidates
-        if bound:
+        if placement is not None and placement.region != self.home and placement.region in candidates:
             best = min(candidates, key=cost)
             return self._chosen(best, "session" if best == placement.region else "home", prompt_tokens - cached(best))
         if home_ok and not self.saturated(self.home):

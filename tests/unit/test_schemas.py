@@ -218,6 +218,32 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             ],
         ),
     ),
+    (
+        "region_summary",
+        codec.REGION_SUMMARY,
+        m.RegionSummary(
+            region="eu",
+            scheduler_id="s-1",
+            seq=12,
+            sent_at=1.7e9,
+            predicted_wait_s=0.75,
+            prefill_tokens_per_s=24_000.0,
+            queued_requests=3,
+            queued_tokens=9000,
+            inflight_tokens=4096,
+            prefill_budget_tokens=65_536,
+            decode_capacity_tokens=200_000,
+            decode_demand_tokens=150_000,
+            prefill_workers=2,
+            decode_workers=1,
+            saturated=True,
+        ),
+    ),
+    (
+        "session_placement",
+        codec.SESSION_PLACEMENT,
+        m.SessionPlacement(region="ap", prompt_tokens=2048, at=1.7e9, expires_at=1.7e9 + 600),
+    ),
 ]
 
 
@@ -345,7 +371,7 @@ def test_messages_are_frozen() -> None:
 # --- subjects ------------------------------------------------------------------------
 
 # Module constants that are not subjects: the version, its root, and a queue-group name.
-NOT_SUBJECTS = {"WIRE_VERSION", "ROOT", "SCHEDULER_QUEUE", "SCHEDULER_SENDER"}
+NOT_SUBJECTS = {"WIRE_VERSION", "ROOT", "SCHEDULER_QUEUE", "SCHEDULER_SENDER", "FED_PING_QUEUE"}
 SUBJECT_RE = re.compile(r"^sy\.v1(\.[A-Za-z0-9_-]+)+$")
 
 
@@ -362,6 +388,10 @@ def _all_subjects() -> list[str]:
         *_subject_constants().values(),
         subjects.worker_tasks("prefill-1a2b"),
         subjects.stream("ingress-9", "prefill-1a2b"),
+        subjects.stream("eu.ingress-9", "prefill-1a2b"),
+        subjects.fed_summary("eu"),
+        subjects.fed_session("eu", "0f" * 16),
+        *(subjects.to_region("ap", service) for service in subjects.FED_SERVICES),
     ]
 
 
