@@ -8,7 +8,9 @@ round trip to each region, and routes each request it admits with ``RegionRouter
   goes there when that region's predicted time to first token (its queue, the prompt
   minus the prefix it holds, the round trip) beats recomputing the prompt at home; a
   request with no binding stays home unless home is saturated, and then spills to the
-  region with the lowest predicted TTFT plus round trip that is not saturated itself.
+  region with the lowest predicted TTFT plus round trip that is not saturated itself
+  (every region saturated: home, whose scheduler queues or refuses). A bound session
+  whose home recompute wins but whose home is saturated spills the same way.
 - ``local``: always home (region-local only; the baseline without federation).
 - ``blind``: the region with the least predicted queue, whatever the session or the
   round trip (a global least-loaded balancer, region-blind).
@@ -104,12 +106,23 @@ class RegionRouter:
 
     def predicted_ttft_s(self, name: str, uncached_tokens: int) -> float:
         """Queue there, then ``uncached_tokens`` of prefill, then the round trip. A region
-        whose round trip is not measured yet costs as much as the slowest measured one."""
+        whose round trip is not measured yet costs as much as the slowest measured one.
+
+        The queue drains at the region's whole prefill rate, but one prompt is prefilled on
+        one instance: at the fleet rate over its prefill workers (a summary without a worker
+        count counts as one), so a 10,000-token prompt costs the same in a region of 1 or
+        of 100 workers, and recomputing it is weighed fairly against a round trip."""
         region = self._regions[name]
+        _, instance = self._rates(region)
+        return self._queue_s(name) + uncached_tokens / instance + self._rtt_or_worst(region)
+
+    def _rates(self, region: _Region) -> tuple[float, float]:
+        """(the region's prefill tokens/s, one instance's)."""
         summary = region.summary
-        rate = (summary.prefill_tokens_per_s if summary else 0.0) or self.default_prefill_tokens_per_s
-        wait = (summary.predicted_wait_s if summary else 0.0) + region.sent_tokens / rate
-        return wait + uncached_tokens / rate + self._rtt_or_worst(region)
+        if summary is None or summary.prefill_tokens_per_s <= 0:
+            return self.default_prefill_tokens_per_s, self.default_prefill_tokens_per_s
+        fleet = summary.prefill_tokens_per_s
+        return fleet, fleet / max(1, summary.prefill_workers)
 
     def _rtt_or_worst(self, region: _Region) -> float:
         if region.rtt_s is not None:
@@ -131,40 +144,58 @@ class RegionRouter:
     ) -> Route:
         """The region to submit to; ``exclude``: regions that refused this request already.
         Home is the answer when no region is known to do better (home's own scheduler then
-        gives the real answer, a queue or a 429)."""
-        candidates = [n for n in self._regions if n not in exclude and (n == self.home or self.alive(n, now))]
-        home_ok = self.home not in exclude and (self.alive(self.home, now) or self._regions[self.home].heard_at is None)
-        if self.policy == "local" or not candidates:
-            return self._chosen(self.home, "local" if self.policy == "local" else "home", prompt_tokens)
-        if not home_ok:
-            candidates = [n for n in candidates if n != self.home] or [self.home]
+        gives the real answer, a queue or a 429), even when home is excluded and no other
+        region is left: the caller then knows it has no other choice."""
 
         def cached(name: str) -> int:
             if placement is None or placement.region != name:
                 return 0
             return min(placement.prompt_tokens, prompt_tokens)
 
-        def cost(name: str) -> tuple[float, int, str]:
+        def chosen(name: str, reason: RouteReason) -> Route:
+            return self._chosen(name, reason, prompt_tokens - cached(name))
+
+        def cost(name: str) -> tuple[float, bool, str]:
             # ties: home first, then by name, so a replay decides alike
             return (self.predicted_ttft_s(name, prompt_tokens - cached(name)), name != self.home, name)
 
+        if self.policy == "local":
+            return chosen(self.home, "local")
+        candidates = self._candidates(now, exclude)
+        if not candidates:
+            return chosen(self.home, "home")
         if self.policy == "blind":
-            best = min(candidates, key=lambda n: (self._queue_s(n), n != self.home, n))
-            return self._chosen(best, "blind", prompt_tokens - cached(best))
-        if placement is not None and placement.region != self.home and placement.region in candidates:
-            best = min(candidates, key=cost)
-            return self._chosen(best, "session" if best == placement.region else "home", prompt_tokens - cached(best))
-        if home_ok and not self.saturated(self.home):
-            return self._chosen(self.home, "home", prompt_tokens - cached(self.home))
-        open_ = [n for n in candidates if not self.saturated(n)] or candidates
+            return chosen(min(candidates, key=lambda n: (self._queue_s(n), n != self.home, n)), "blind")
+        home_ok = self.home in candidates
+        bound = placement.region if placement is not None and placement.region in candidates else None
+        if bound is not None and bound != self.home:
+            best = min([bound, self.home] if home_ok else [bound], key=cost)
+            if best == bound or not self.saturated(self.home):
+                return chosen(best, "session" if best == bound else "home")
+            # recomputing wins, but not at a saturated home: spill it like an unbound request
+        elif home_ok and not self.saturated(self.home):
+            return chosen(self.home, "home")
+        open_ = [n for n in candidates if n != self.home and not self.saturated(n)]
+        if not open_:
+            if home_ok:
+                return chosen(self.home, "home")  # every region is saturated: home decides
+            open_ = candidates
         best = min(open_, key=cost)
-        return self._chosen(best, "home" if best == self.home else "spill", prompt_tokens - cached(best))
+        return chosen(best, "session" if best == bound else "spill")
+
+    def _candidates(self, now: float, exclude: frozenset[str]) -> list[str]:
+        """Regions that may get this request: alive (home also before its first summary:
+        its own scheduler may be starting) and not excluded; sorted, for a stable order."""
+        home = self._regions[self.home]
+        home_ok = self.home not in exclude and (home.heard_at is None or self.alive(self.home, now))
+        others = (n for n in self._regions if n != self.home and n not in exclude and self.alive(n, now))
+        return sorted([*others, *([self.home] if home_ok else [])])
 
     def _queue_s(self, name: str) -> float:
+        """Its predicted wait, plus what this router sent it since (at its fleet's rate)."""
         region = self._regions[name]
-        summary = region.summary
-        rate = (summary.prefill_tokens_per_s if summary else 0.0) or self.default_prefill_tokens_per_s
-        return (summary.predicted_wait_s if summary else 0.0) + region.sent_tokens / rate
+        fleet, _ = self._rates(region)
+        return (region.summary.predicted_wait_s if region.summary else 0.0) + region.sent_tokens / fleet
 
     def _chosen(self, name: str, reason: RouteReason, uncached_tokens: int) -> Route:
         uncached_tokens = max(0, uncached_tokens)
