@@ -45,6 +45,7 @@ from switchyard.ingress.errors import (
     internal_error,
 )
 from switchyard.ingress.extras import DetokenizeRequest, RequestIdMiddleware, TokenizeRequest
+from switchyard.ingress.federation import Federation
 from switchyard.ingress.generation import Generation, GenerationContext, Kind
 from switchyard.ingress.openai_types import (
     ChatCompletionRequest,
@@ -101,6 +102,7 @@ class Ingress:
         on_finished: Callable[[Generation, str], None] | None = None,
         routes: Sequence[BaseRoute] = (),  # more of the API, served by other modules (ingress.files)
         on_scrape: Sequence[Callable[[], Awaitable[None]]] = (),  # set more gauges before /metrics answers
+        federation: Federation | None = None,  # the regions, when this ingress is in one (ingress.federation)
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -112,6 +114,7 @@ class Ingress:
         self.metrics = metrics
         self.bus_stats = bus_stats
         self.ingress_id = config.ingress_id
+        self.federation = federation
         self._gen_ctx = GenerationContext(
             nc=nc,
             router=router,
@@ -122,6 +125,9 @@ class Ingress:
             migration_wait_s=config.migration_wait_s,
             on_finished=on_finished,
         )
+        if federation is not None:  # its cancels go to the region that has it
+            self._gen_ctx.cancel_subject = federation.cancel_subject
+            self._gen_ctx.on_closed = federation.finished
         self._tokenizing = anyio.CapacityLimiter(config.tokenize_threads)
         self._openapi: bytes | None = None
         self.app = Starlette(
@@ -449,10 +455,31 @@ class Ingress:
         )
 
     async def _submit(self, spec: RequestSpec, ctx) -> None:
+        """To the scheduler; federated, to the region ``ingress.federation`` routes it to, and
+        on to the next best region while one refuses it (overloaded, or no scheduler there)."""
+        federation = self.federation
+        if federation is None:
+            return await self._submit_to(subjects.SUBMIT, spec, ctx)
+        refused: dict[str, ApiError] = {}
+        while True:
+            route = federation.route(spec, frozenset(refused))
+            if route.region in refused:  # no region left that did not refuse it
+                raise refused[route.region]
+            self.metrics.region_routes.labels(region=route.region, reason=route.reason).inc()
+            try:
+                await self._submit_to(federation.submit_subject(route.region), spec, ctx)
+            except (RateLimited, Unavailable) as refusal:
+                log.info("%s: region %s refused it (%s)", spec.request_id, route.region, refusal.message)
+                refused[route.region] = refusal
+                continue
+            await federation.placed(spec, route.region)
+            return
+
+    async def _submit_to(self, subject: str, spec: RequestSpec, ctx) -> None:
         payload = codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=spec))
         try:
             msg = await self.nc.request(
-                subjects.SUBMIT, payload, timeout=self.config.submit_timeout_s, headers=tracing.inject(ctx)
+                subject, payload, timeout=self.config.submit_timeout_s, headers=tracing.inject(ctx)
             )
         except NoRespondersError:
             raise Unavailable("No scheduler is running.", retry_after_s=1.0) from None

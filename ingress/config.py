@@ -33,6 +33,26 @@ class FilesConfig(ConfigStruct, frozen=True, kw_only=True):
     max_bytes: Annotated[int, setting("largest file an upload may hold (413 above)", gt=0)] = 200 * 1024 * 1024
 
 
+class RegionsConfig(ConfigStruct, frozen=True, kw_only=True):
+    """Federation (``ingress.federation``): how a request picks its region, when ``--region``
+    names this ingress's and the NATS server is one region of a supercluster."""
+
+    policy: Annotated[
+        Literal["geo", "local", "blind"],
+        setting(
+            "geo: a session to the region holding its prefix when that beats recomputing at home, spill when "
+            "home is saturated; local: always home; blind: the least queued region"
+        ),
+    ] = "geo"
+    dark_after_s: Annotated[
+        float, setting("a region silent this long is dropped from routing and its streams here fail over", gt=0)
+    ] = 3.0
+    ping_interval_s: Annotated[float, setting("how often the round trip to each other region is measured", gt=0)] = 1.0
+    session_ttl_s: Annotated[float, setting("a session stays in the directory this long after its last use", gt=0)] = (
+        600.0
+    )
+
+
 class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
     nats_url: NatsUrl = DEFAULT_NATS_URL
     nats_client: NatsClient = NatsClientConfig()
@@ -120,7 +140,14 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
     ] = "none"
     keys_file: Annotated[str, setting("--auth keys: the API keys file that `switchyard keys create` writes")] = ""
     usage: Annotated[UsageConfig, setting("per-tenant usage records", prefix="usage-")] = UsageConfig()
-    region: Annotated[str, setting("this ingress's region, written into its usage records (empty: none)")] = ""
+    region: Annotated[
+        str,
+        setting(
+            "this ingress's region: its requests are routed among the supercluster's regions (--region-policy), "
+            "and its usage records name it (empty: none)"
+        ),
+    ] = ""
+    regions: Annotated[RegionsConfig, setting("federation", prefix="region-")] = RegionsConfig()
     files: Annotated[FilesConfig, setting("the Files API", prefix="files-")] = FilesConfig()
 
     def __post_init__(self) -> None:

@@ -55,7 +55,7 @@ _SSE_HEADERS = [
 ]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 # Errors that end a run, not the request: it continues elsewhere (see the module's note).
-_MIGRATABLE = frozenset({"worker_lost", "scheduler_failover", "stream_lost"})
+_MIGRATABLE = frozenset({"worker_lost", "scheduler_failover", "stream_lost", "region_lost"})
 
 
 @dataclass
@@ -76,6 +76,10 @@ class GenerationContext:
     # Told of every generation once it has ended, with its outcome (the usage records: see
     # ``ingress.usage``); it must not block or raise.
     on_finished: Callable[[Generation, str], None] | None = None
+    # Where a request's cancels go: its region's scheduler and workers (ingress.federation).
+    cancel_subject: Callable[[str], str] = lambda request_id: subjects.CANCEL
+    # Told of every request id once its generation has ended (the federation forgets its region).
+    on_closed: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -275,7 +279,7 @@ class Generation:
         # Its run may be alive (a worker taken for dead, a stream cut by the bus): end it
         # before the next one starts, which the cancel does not cover.
         cancel = Cancel(request_id=self.spec.request_id, reason=error.code, attempt=self.migrations)
-        await self.ctx.nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
+        await self.ctx.nc.publish(self.ctx.cancel_subject(self.spec.request_id), codec.CANCEL.encode(cancel))
         self.migrations += 1
         spec = self.ctx.continuation(self.spec, self.output) if delivered else self.spec
         spec = msgspec.structs.replace(spec, attempt=self.migrations)
@@ -470,7 +474,9 @@ class Generation:
         outcome = self.outcome or "error"  # unsettled: something raised past the catch-all
         if not all(c.sequencer.finished for c in self.choices):  # a stop string, an error, a disconnect
             cancel = Cancel(request_id=rid, reason=outcome if outcome != "ok" else "stop")
-            await self.ctx.nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
+            await self.ctx.nc.publish(self.ctx.cancel_subject(rid), codec.CANCEL.encode(cancel))
+        if self.ctx.on_closed is not None:
+            self.ctx.on_closed(rid)
         self._record(outcome)
         if self.ctx.on_finished is not None:
             self.ctx.on_finished(self, outcome)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -20,6 +22,7 @@ from switchyard.ingress.batches import BatchApi, BatchMaker, BatchMetrics
 from switchyard.ingress.config import IngressConfig
 from switchyard.ingress.edge import EdgeLimits, edge_protocol
 from switchyard.ingress.errors import IngressError
+from switchyard.ingress.federation import Federation
 from switchyard.ingress.files import FileStore, FilesUnavailable, files_routes
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.tokenizer import ModelTokenizer
@@ -46,7 +49,10 @@ class _Server(uvicorn.Server):
 class IngressService:
     def __init__(self, config: IngressConfig, metrics: ServingMetrics | None = None) -> None:
         if not config.ingress_id:
-            config = msgspec.structs.replace(config, ingress_id=f"ingress-{uuid.uuid4().hex[:8]}")
+            # In a region, its id starts with the region's name: the streams of a region's
+            # ingresses are what the other regions send it (subjects.region_streams).
+            own = f"ingress-{uuid.uuid4().hex[:8]}"
+            config = msgspec.structs.replace(config, ingress_id=f"{config.region}.{own}" if config.region else own)
         self.config = config
         self.tokenizer = ModelTokenizer.load(Path(config.model_dir))
         self.gate = Gate.for_config(config)  # here, so a bad keys file stops the start with a plain error
@@ -62,6 +68,8 @@ class IngressService:
             self.usage = UsageRecorder(nc, cfg, self.metrics)
             self.files = await _file_store(nc, cfg)
             batches = batch_api(nc, self.files, cfg, self.tokenizer, self.metrics)
+            federation = self._federation(nc) if cfg.region else None
+            scrape = [batches.metrics.refresh] + ([self._region_gauges(federation)] if federation else [])
             ingress = Ingress(
                 cfg,
                 self.tokenizer,
@@ -72,7 +80,8 @@ class IngressService:
                 self.gate,
                 self.usage.on_finished,
                 routes=[*files_routes(lambda: self.files), *batches.routes()],
-                on_scrape=[batches.metrics.refresh],
+                on_scrape=scrape,
+                federation=federation,
             )
             server = _Server(
                 uvicorn.Config(
@@ -93,6 +102,8 @@ class IngressService:
                     tg.start_soon(self.router.watch_schedulers, await subscribe(nc, subjects.ROLL_CALL))
                     tg.start_soon(self.router.watch_idle, cfg.stream_idle_timeout_s, cfg.reconnect_stall_s, self.stats)
                     await tg.start(self.usage.run)
+                    if federation is not None:
+                        await tg.start(federation.run)
                     await nc.flush()
                     tg.start_soon(self._serve_http, server, sock, tg.cancel_scope)
                     while not server.started:  # noqa: ASYNC110 (uvicorn offers a flag, no event)
@@ -105,6 +116,36 @@ class IngressService:
                 # Cancelled: let uvicorn close its connections, shielded, before the bus goes.
                 server.should_exit = True
                 sock.close()
+
+    def _federation(self, nc) -> Federation:
+        cfg = self.config
+        regions = cfg.regions
+        federation = Federation(
+            nc,
+            cfg.region,
+            policy=regions.policy,
+            dark_after_s=regions.dark_after_s,
+            ping_interval_s=regions.ping_interval_s,
+            session_ttl_s=regions.session_ttl_s,
+        )
+
+        def lost(request_id: str, region: str) -> None:
+            if self.router.fail(request_id, "region_lost", f"region {region} went dark"):
+                self.metrics.region_lost_streams.inc()
+
+        federation.on_lost(lost)
+        return federation
+
+    def _region_gauges(self, federation: Federation) -> Callable[[], Awaitable[None]]:
+        async def refresh() -> None:
+            now = time.monotonic()
+            for region in federation.router.regions():
+                self.metrics.region_alive.labels(region=region).set(float(federation.router.alive(region, now)))
+                rtt = federation.router.rtt_s(region)
+                if rtt is not None:
+                    self.metrics.region_rtt.labels(region=region).set(rtt)
+
+        return refresh
 
     @staticmethod
     async def _serve_http(server: uvicorn.Server, sock: socket.socket, scope: anyio.CancelScope) -> None:

@@ -150,6 +150,14 @@ class StreamRouter:
         if inbox is not None and inbox.foreign:
             self._refuse(inbox, inbox.foreign[0][0], len(inbox.foreign))
 
+    def fail(self, request_id: str, code: str, message: str) -> bool:
+        """End a request's stream with ``code`` (its region went dark); False if it has ended."""
+        inbox = self._inboxes.get(request_id)
+        if inbox is None:
+            return False
+        inbox.fail(code, message)
+        return True
+
     def reassign(self, inbox: Inbox) -> None:
         self.refused += inbox.reassign()
 

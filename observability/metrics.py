@@ -119,6 +119,31 @@ class ServingMetrics:
         for reason in EDGE_REFUSAL_REASONS:
             self.edge_refusals.labels(reason=reason)
         self.in_flight = Gauge("switchyard_requests_in_flight", "Requests being generated.", registry=r)
+        # Federation (ingress.federation): bounded by the regions of the supercluster.
+        self.region_routes = Counter(
+            "switchyard_region_routes",
+            "Requests this ingress routed, by region and reason: home, session (to the region holding its "
+            "prefix), spill (home saturated), blind, local.",
+            ["region", "reason"],
+            registry=r,
+        )
+        self.region_alive = Gauge(
+            "switchyard_region_alive",
+            "1 while the region's summaries arrive, 0 once it is dark.",
+            ["region"],
+            registry=r,
+        )
+        self.region_rtt = Gauge(
+            "switchyard_region_rtt_seconds",
+            "Measured round trip to the region (moving average).",
+            ["region"],
+            registry=r,
+        )
+        self.region_lost_streams = Counter(
+            "switchyard_region_lost_streams",
+            "Streams in flight in a region that went dark (continued elsewhere or failed cleanly).",
+            registry=r,
+        )
         self.reclaimed_requests = Gauge(
             "switchyard_scheduler_reclaimed_requests",
             "Requests the scheduler forgot since it started because their worker no longer held them and "

@@ -13,8 +13,9 @@ from switchyard.schemas import lazy_attributes
 
 if TYPE_CHECKING:
     from switchyard.scheduler.service import SchedulerService
+    from switchyard.scheduler.session_store import session_key
 
-_LAZY = {"SchedulerService": "switchyard.scheduler.service"}
+_LAZY = {"SchedulerService": "switchyard.scheduler.service", "session_key": "switchyard.scheduler.session_store"}
 
 __all__ = [
     "POLICIES",
@@ -31,6 +32,7 @@ __all__ = [
     "SchedulerCore",
     "SchedulerService",
     "SchedulerServiceConfig",
+    "session_key",
 ]
 
 

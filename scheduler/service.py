@@ -174,6 +174,10 @@ class SchedulerService:
         for _ in range(self.config.snapshot_fetchers):
             tg.start_soon(self._fetch_snapshots)
         tg.start_soon(self._tick)
+        if self.config.region:
+            pings = await subscribe(nc, subjects.FED_PING, queue=subjects.FED_PING_QUEUE)
+            tg.start_soon(self._serve_pings, pings)
+            tg.start_soon(self._publish_summaries)
         await nc.flush()
         self.active.set()  # from here on, events feed the core
         # Workers that were up before us register now instead of at their next beat, and
@@ -364,6 +368,22 @@ class SchedulerService:
             await self._act(self.core.tick(now))
             await self._audit_step(now)
             self._forget_finished_traces()
+
+    async def _serve_pings(self, sub: Subscription) -> None:
+        """Another region's ingress measures its round trip to this region (an empty reply)."""
+        async for msg in sub.messages:
+            if msg.reply:
+                await msg.respond(b"")
+
+    async def _publish_summaries(self) -> None:
+        """The region's state for every other region (``scheduler.regions``), while active."""
+        assert self._nc is not None
+        subject = subjects.fed_summary(self.config.region)
+        for seq in itertools.count(1):
+            await self._fence()
+            summary = self.core.region_summary(self.config.region, self.scheduler_id, seq, time.time())
+            await self._nc.publish(subject, codec.REGION_SUMMARY.encode(summary))
+            await anyio.sleep(self.config.summary_interval_s)
 
     async def _audit_step(self, now: float) -> None:
         """Start an audit when the bus may have lost messages; finish it once the workers

@@ -60,6 +60,8 @@ def scheduler() -> Permissions:
             subjects.kv_snapshot("*"),
             subjects.ROLL_CALL,
             subjects.stream("*", subjects.SCHEDULER_SENDER),  # assignments, a request's error chunk
+            subjects.stream("*.*", subjects.SCHEDULER_SENDER),  # the same to an ingress in a region
+            subjects.fed_summary("*"),  # federation: the region's summary
             # Answers to submits, also late ones: a standby answers what it held once it takes
             # over, maybe on a new connection, where allow_responses no longer covers them.
             f"{INGRESS_INBOX}.>",
@@ -68,15 +70,27 @@ def scheduler() -> Permissions:
             "$JS.API.>",
             "$KV.>",
         ),
-        subscribe=(subjects.SUBMIT, subjects.WORKER_EVENTS, subjects.CANCEL, subjects.KV_EVENTS, f"{DEFAULT_INBOX}.>"),
-        responses=True,  # Admitted / Rejected / ClusterStatus
+        subscribe=(
+            subjects.SUBMIT,
+            subjects.WORKER_EVENTS,
+            subjects.CANCEL,
+            subjects.KV_EVENTS,
+            subjects.FED_PING,
+            f"{DEFAULT_INBOX}.>",
+        ),
+        responses=True,  # Admitted / Rejected / ClusterStatus, pings
     )
 
 
 def worker(worker_id: str) -> Permissions:
     return Permissions(
         # Tokens only under its own id: the ingress knows who sent them (subjects.stream).
-        publish=(subjects.WORKER_EVENTS, subjects.KV_EVENTS, subjects.stream("*", worker_id)),
+        publish=(
+            subjects.WORKER_EVENTS,
+            subjects.KV_EVENTS,
+            subjects.stream("*", worker_id),
+            subjects.stream("*.*", worker_id),  # to an ingress in a region (its id is <region>.<id>)
+        ),
         subscribe=(
             subjects.worker_tasks(worker_id),
             subjects.kv_snapshot(worker_id),
@@ -99,10 +113,30 @@ def ingress() -> Permissions:
             f"$JS.API.STREAM.CREATE.{usage.STREAM}",
             *file_store(),
             *batch_ingress(),
+            *federated_ingress(),
         ),
         # Roll calls: a new scheduler may not know what the last one had queued (streams).
-        subscribe=(subjects.stream("*", "*"), subjects.ROLL_CALL, f"{INGRESS_INBOX}.>"),
+        subscribe=(
+            subjects.stream("*", "*"),
+            subjects.stream("*.*", "*"),
+            subjects.ROLL_CALL,
+            subjects.every_fed_summary(),
+            subjects.every_fed_session(),  # without JetStream, placements as they are made
+            f"{INGRESS_INBOX}.>",
+        ),
         inbox_prefix=INGRESS_INBOX,
+    )
+
+
+def federated_ingress() -> tuple[str, ...]:
+    """An ingress in a region (``ingress.federation``): the other regions' services, its
+    session placements, and the session directory stream read through an ordered consumer."""
+    directory = subjects.SESSION_DIRECTORY_STREAM
+    return (
+        *(subjects.to_region("*", service) for service in subjects.FED_SERVICES),
+        subjects.fed_session("*", "*"),
+        *_stream_api(directory, "STREAM.CREATE", "STREAM.INFO", "CONSUMER.CREATE", "CONSUMER.INFO", "CONSUMER.DELETE"),
+        f"$JS.FC.{directory}.>",
     )
 
 

@@ -107,6 +107,8 @@ def batch_max_deliveries(stream: str, consumer: str = "*") -> str:
 # request whose reply measures the round trip to the region
 FED_PING = f"{ROOT}.fed.ping"
 FED_PING_QUEUE = "fed-ping"
+# Each region's JetStream stream of every region's session placements (ingress.federation)
+SESSION_DIRECTORY_STREAM = "SWITCHYARD_SESSION_DIRECTORY"
 
 
 def fed_root(region: str) -> str:

@@ -19,7 +19,9 @@ ALLOWED = {
     "scheduler": {"schemas", "observability"},
     "kvbus": {"schemas", "observability"},
     "workers": {"schemas", "observability", "kvbus"},
-    "ingress": {"schemas", "observability", "kvbus"},
+    # The ingress routes among regions with the scheduler's pure region router (scheduler.regions)
+    # and keys sessions as the scheduler does: pure code, no service of the scheduler.
+    "ingress": {"schemas", "observability", "scheduler", "kvbus"},
     "bench": {"schemas", "observability", "scheduler", "kvbus", "workers", "ingress", "switchyard"},
     "switchyard": set(PARTS) - {"switchyard"},
 }
