@@ -8,6 +8,8 @@
     switchyard config show   the effective configuration of every service, and its sources
     switchyard keys ...      API keys for --auth keys: create, list, revoke
     switchyard nats-auth     NATS users, one per role, and their permissions (--out DIR)
+    switchyard nats-config   a region's nats-server configuration (supercluster, leaf node)
+    switchyard wan-relay     an emulated WAN before a region's gateway (per-pair round trips)
     switchyard usage         the usage records on JetStream, summarised by tenant
     switchyard batch ...     the Batch API: submit FILE [--wait], list, status, cancel
     switchyard bench ...     benchmarks
@@ -66,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     nats_auth.add_arguments(
         sub.add_parser("nats-auth", help="NATS users and permissions for a deployment: server config, credentials")
     )
+
+    from switchyard import nats_config, wan
+
+    nats_config.add_arguments(
+        sub.add_parser("nats-config", help="a region's nats-server configuration: gateways, accounts, leaf nodes")
+    )
+    wan.add_arguments(sub.add_parser("wan-relay", help="relay a region's gateway port with per-pair round trips"))
 
     from switchyard import batch_cli
 
@@ -196,6 +205,14 @@ def _main(args: argparse.Namespace) -> int:
             from switchyard import nats_auth
 
             return nats_auth.run(args)
+        case "nats-config":
+            from switchyard import nats_config
+
+            return nats_config.run(args)
+        case "wan-relay":
+            from switchyard import wan
+
+            return wan.run(args)
         case "usage":
             from switchyard import usage
 
