@@ -313,6 +313,7 @@ class SchedulerCore:
             prefill_workers=len(prefill),
             decode_workers=sum(1 for w in self.workers.values() if w.role != "prefill"),
             saturated=not prefill or wait > self.config.spill_wait_s or queue_full or decode_full,
+            spill_wait_s=self.config.spill_wait_s,
         )
 
     def predicted_wait_s(self) -> float:

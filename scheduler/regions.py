@@ -130,8 +130,12 @@ class RegionRouter:
         return max((r.rtt_s for r in self._regions.values() if r.rtt_s is not None), default=0.0)
 
     def saturated(self, name: str) -> bool:
+        """Its summary says so, or what this router sent it since would queue it past its
+        spill threshold (a burst between two summaries)."""
         summary = self._regions[name].summary
-        return summary is not None and summary.saturated
+        if summary is None:
+            return False
+        return summary.saturated or 0 < summary.spill_wait_s < self._queue_s(name)
 
     # --- the decision ---------------------------------------------------------------------
 

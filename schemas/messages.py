@@ -459,6 +459,7 @@ class RegionSummary(_Wire, frozen=True):
     decode_workers: int = 0
     # It would queue a new request past its spill threshold, or refuse it: send work elsewhere.
     saturated: bool = False
+    spill_wait_s: float = 0.0  # its threshold: a router adds what it sent since (0: not said)
 
 
 class SessionPlacement(_Wire, frozen=True):

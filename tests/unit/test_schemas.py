@@ -237,6 +237,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             prefill_workers=2,
             decode_workers=1,
             saturated=True,
+            spill_wait_s=2.0,
         ),
     ),
     (
