@@ -116,6 +116,25 @@ async def _relay_round_trip(listener, upstream: Address, received: list[bytes]) 
         tg.cancel_scope.cancel()
 
 
+async def test_a_gateway_that_closes_closes_the_dialers_side_too():
+    async def hang_up(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await stream.send(b'INFO {"gateway":"eu"}\r\n')
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    upstream = Address("127.0.0.1", listener.extra(anyio.abc.SocketAttribute.local_port))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, hang_up)
+            port = await tg.start(Relay(Address("127.0.0.1", 0), upstream, RttTable()).serve)
+            async with await anyio.connect_tcp("127.0.0.1", port) as dialer:
+                assert (await dialer.receive()).startswith(b"INFO")
+                with pytest.raises(anyio.EndOfStream):
+                    await dialer.receive()
+            tg.cancel_scope.cancel()
+    await listener.aclose()
+
+
 def test_rtt_table_reads_pairs_both_ways_and_a_default():
     table = RttTable.parse("us-eu=30, us-ap=70,eu-ap=140,*=5,us-east:eu=9")
     assert table.rtt_ms("eu", "us") == table.rtt_ms("us", "eu") == 30
