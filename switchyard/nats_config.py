@@ -29,7 +29,7 @@ import os
 import re
 import sys
 import tomllib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,16 +39,24 @@ from switchyard.settings import ConfigError
 
 __all__ = [
     "Address",
+    "ConfigError",
     "LeafSpec",
     "RegionSpec",
     "account",
+    "add_arguments",
+    "check_port",
+    "check_region_name",
+    "config_text",
     "leaf_user",
     "load_toml",
+    "own",
     "parse_address",
     "parse_regions",
+    "parse_table",
     "region_user",
     "render",
     "render_leaf",
+    "run",
     "write",
 ]
 
@@ -399,10 +407,6 @@ def write(path: Path, text: str) -> Path:
     tmp.write_text(text)
     os.replace(tmp, path)
     return path
-
-
-def region_names(regions: Iterable[RegionSpec]) -> list[str]:
-    return [r.name for r in regions]
 
 
 # --- switchyard nats-config ---------------------------------------------------------------------

@@ -23,7 +23,7 @@ import argparse
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +110,10 @@ class _Link:
     delay_s: float = 0.0  # each way; 0 until the CONNECT is seen
 
 
+# What a direction does with its first line's JSON (an INFO's, a CONNECT's).
+_Sniff = Callable[[_Link, dict[str, object]], None]
+
+
 class Relay:
     """Listens on ``listen`` and relays each connection to ``to``, delayed by ``rtt``.
 
@@ -164,7 +168,7 @@ class Relay:
         src: anyio.abc.SocketStream,
         dst: anyio.abc.SocketStream,
         link: _Link,
-        sniff,
+        sniff: _Sniff,
         scope: anyio.CancelScope,
     ) -> None:
         """src -> dst, each chunk held until its time; then dst's write side is closed."""
@@ -199,7 +203,7 @@ class _Hello:
     """Finds the first protocol line (INFO or CONNECT) of one direction and hands its JSON
     to ``sniff``, once."""
 
-    def __init__(self, sniff, link: _Link) -> None:
+    def __init__(self, sniff: _Sniff, link: _Link) -> None:
         self._sniff = sniff
         self._link = link
         self._buffer = b""
@@ -226,6 +230,11 @@ class _Hello:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "An emulated WAN for hosts without netem: listen on a region's advertised gateway address, relay "
+        "to its real gateway port, and delay every byte of each gateway connection, both ways, by half the "
+        "round trip of its pair of regions (read off the connection's INFO and CONNECT). docs/federation.md."
+    )
     parser.add_argument(
         "--listen",
         required=True,
