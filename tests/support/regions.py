@@ -76,6 +76,8 @@ class Supercluster:
 
     def kill(self, region: str) -> None:
         """SIGKILL the region's processes (a region lost, not stopped)."""
+        if region not in self._running:
+            raise RuntimeError(f"region {region} is not running")
         for proc in self._running.pop(region):
             proc.kill()
             proc.wait()
