@@ -9,7 +9,7 @@ round trip to each region, and routes each request it admits with ``RegionRouter
   minus the prefix it holds, the round trip) beats recomputing the prompt at home; a
   request with no binding stays home unless home is saturated, and then spills to the
   region with the lowest predicted TTFT plus round trip that is not saturated itself
-  (every region saturated: home, whose scheduler queues or refuses). A bound session
+  (every region saturated: the lowest of them all, home winning ties). A bound session
   whose home recompute wins but whose home is saturated spills the same way.
 - ``local``: always home (region-local only; the baseline without federation).
 - ``blind``: the region with the least predicted queue, whatever the session or the
@@ -181,10 +181,14 @@ class RegionRouter:
             return chosen(self.home, "home")
         open_ = [n for n in candidates if n != self.home and not self.saturated(n)]
         if not open_:
-            if home_ok:
-                return chosen(self.home, "home")  # every region is saturated: home decides
+            # Every region is saturated: the least bad one, home winning ties (it pays no
+            # round trip). Home alone would keep the overload where it started while the
+            # others still have room between their spill threshold and their own refusals:
+            # bench federation at 100x the trace, 67% goodput against 80% this way.
             open_ = candidates
         best = min(open_, key=cost)
+        if best == self.home:
+            return chosen(best, "home")
         return chosen(best, "session" if best == bound else "spill")
 
     def _candidates(self, now: float, exclude: frozenset[str]) -> list[str]:

@@ -141,12 +141,17 @@ def test_spill_goes_to_the_lowest_ttft_plus_rtt_open_region():
     assert r.route(4000, None, 1.0).region == "ap"
 
 
-def test_every_region_saturated_means_home():
+def test_every_region_saturated_means_the_least_bad_home_winning_ties():
     r = router()
-    for name, wait in (("us", 2.5), ("eu", 2.1), ("ap", 2.1)):  # home's own queue decides
+    for name in ("us", "eu", "ap"):
+        r.observe(summary(name, wait=2.5, saturated=True), 0.0)
+    route = r.route(4000, None, 1.0)
+    assert (route.region, route.reason) == ("us", "home")  # equal queues: no round trip wins
+    r = router()
+    for name, wait in (("us", 2.5), ("eu", 2.1), ("ap", 2.1)):
         r.observe(summary(name, wait=wait, saturated=True), 0.0)
     route = r.route(4000, None, 1.0)
-    assert (route.region, route.reason) == ("us", "home")
+    assert (route.region, route.reason) == ("eu", "spill")  # 2.1 + 0.03 beats 2.5 at home
 
 
 # --- dark regions -----------------------------------------------------------------------------
