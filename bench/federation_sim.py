@@ -748,7 +748,27 @@ def table(results: dict) -> str:
                 f"{r['rejected']:>6}{r['failed']:>6}{r['spills']:>7}{100 * r['cross_region_share']:>6.1f}%"
                 f"{rate or 0:>9.0f}{recovery:>11}"
             )
-    return "\n".join(lines)
+    return "\n".join(lines + region_table(results))
+
+
+def region_table(results: dict) -> list[str]:
+    """Per region: its clients' TTFT p90 and goodput, and its prefill fleet's utilisation."""
+    regions = results["settings"]["regions"]
+    head = "".join(f"{r + ' p90':>9}{'good%':>7}{'busy':>6}" for r in regions)
+    lines = [
+        "",
+        "per region: its clients' TTFT p90 (ms) and goodput; busy: its prefill workers' utilisation",
+        f"{'run':<9}{'policy':<7}{head}",
+    ]
+    for run in ("steady", "failover"):
+        for r in results[run]:
+            cells = "".join(
+                f"{1e3 * (r['by_ingress'][g]['ttft_p90_s'] or 0):>9.0f}{100 * r['by_ingress'][g]['goodput_share']:>6.1f}%"
+                f"{r['prefill_utilisation'][g]:>6.2f}"
+                for g in regions
+            )
+            lines.append(f"{run:<9}{r['policy']:<7}{cells}")
+    return lines
 
 
 def plot(results: dict, out: Path) -> None:
@@ -801,6 +821,7 @@ __all__ = [
     "add_arguments",
     "fleet_shapes",
     "parse_rtts",
+    "region_table",
     "run",
     "run_sim",
     "session_of",
