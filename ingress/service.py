@@ -60,6 +60,7 @@ class IngressService:
         self.router = StreamRouter()
         self.stats = BusStats()
         self.url = ""
+        self.federation: Federation | None = None  # once running, with --region
 
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -68,7 +69,7 @@ class IngressService:
             self.usage = UsageRecorder(nc, cfg, self.metrics)
             self.files = await _file_store(nc, cfg)
             batches = batch_api(nc, self.files, cfg, self.tokenizer, self.metrics)
-            federation = self._federation(nc) if cfg.region else None
+            federation = self.federation = self._federation(nc) if cfg.region else None
             scrape = [batches.metrics.refresh] + ([self._region_gauges(federation)] if federation else [])
             ingress = Ingress(
                 cfg,

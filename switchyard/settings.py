@@ -84,6 +84,19 @@ class UpConfig(ConfigStruct, frozen=True, kw_only=True):
         int, setting("crashes of one child within --restart-window-s before the stack stops (0: the first)", ge=0)
     ] = 5
     restart_window_s: Annotated[float, setting("how far back a child's crashes are counted", gt=0)] = 600.0
+    # Federation on one machine (docs/federation.md): one region per name, each its own
+    # nats-server (joined as a supercluster), scheduler, workers, ingress and batch runners.
+    regions: Annotated[
+        str,
+        setting(
+            "run one region per name (e.g. us,eu,ap) on this machine, joined as a NATS supercluster; region i's "
+            "ingress listens on --port + i"
+        ),
+    ] = ""
+    region_rtt_ms: Annotated[
+        str,
+        setting("--regions: emulated round trips between regions in ms, e.g. us-eu=30,us-ap=70,eu-ap=140 (default 0)"),
+    ] = ""
     # What outlives the stack: the private nats-server's JetStream store (files, batches,
     # usage records, sessions). One `up` at a time per folder (up.py holds its lock).
     data_dir: Annotated[

@@ -44,7 +44,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard import nats_auth, procs, settings
+from switchyard import nats_auth, nats_config, procs, settings, wan
 from switchyard.ingress import BatchRunnerConfig, IngressConfig
 from switchyard.observability import DEFAULT_NATS_URL, redacted
 from switchyard.scheduler import SchedulerServiceConfig
@@ -65,6 +65,7 @@ class ChildPlan:
     process: ProcessConfig
     config: Any  # its service's config tree
     origin: dict[str, settings.Value]
+    region: str = ""  # --regions: the region whose nats-server it connects to
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,53 @@ def plan(sources: Sources) -> Plan:
     count = up_cfg.config.batch_runners
     names = ["batch-runner"] if count == 1 else [f"batch-runner-{i}" for i in range(count)]
     children += [_child(name, "batch-runner", sources, runner) for name in names]
+    if up_cfg.config.regions:
+        children = regional_children(up_cfg.config, children, scheduler.origin)
     return Plan(up_cfg.config, process.config, children, up_cfg.origin | process.origin)
+
+
+def region_list(up_cfg: UpConfig) -> list[str]:
+    """``--regions``, checked: names NATS and its accounts take, no repeats."""
+    names = [name.strip() for name in up_cfg.regions.split(",")]
+    for name in names:
+        try:
+            nats_config.check_region_name(name)
+        except ConfigError as exc:
+            raise ConfigError(f"regions: {exc}") from None
+    if len(set(names)) != len(names):
+        raise ConfigError(f"regions: {up_cfg.regions!r} names a region twice")
+    return names
+
+
+def regional_children(up_cfg: UpConfig, children: list[ChildPlan], origin: dict[str, Value]) -> list[ChildPlan]:
+    """Every child once per region, named ``<region>-<child>``: the region's scheduler and
+    ingress know their region, and region i's ingress listens on ``--port`` + i."""
+    names = region_list(up_cfg)
+    if up_cfg.nats:
+        raise ConfigError("regions: --regions starts a nats-server per region; it cannot use --nats")
+    if up_cfg.engine != "sim":
+        raise ConfigError(
+            "regions: --regions runs the sim engine on one machine; for vllm regions run one `switchyard up "
+            "--region NAME --nats URL` per region (docs/federation.md) or compose.regions.yaml"
+        )
+    if "region" in origin and origin["region"].source != "default":
+        raise ConfigError("regions: --region names one region; with --regions each region's children get their own")
+    out = []
+    for i, region in enumerate(names):
+        for child in children:
+            config = child.config
+            if isinstance(config, SchedulerServiceConfig):
+                config = msgspec.structs.replace(config, region=region)
+            elif isinstance(config, IngressConfig):
+                config = msgspec.structs.replace(config, region=region, port=config.port + i if config.port else 0)
+            elif isinstance(config, BatchRunnerConfig):
+                url = urllib.parse.urlsplit(config.ingress_url)
+                port = (url.port or 80) + i
+                config = msgspec.structs.replace(
+                    config, ingress_url=url._replace(netloc=f"{url.hostname}:{port}").geturl()
+                )
+            out.append(ChildPlan(f"{region}-{child.name}", child.command, child.process, config, child.origin, region))
+    return out
 
 
 def _check_keys_match(engine: str, ingress: Resolved) -> None:
@@ -297,6 +344,8 @@ def up(p: Plan) -> int:
     children: list[_Child] = []
     try:
         with ExitStack() as stack:
+            if p.up.regions:
+                return _up_regions(p, stack, children)
             nats_url, auth = _external_nats(p.up.nats, stack) if p.up.nats else _start_nats(p, stack, children)
             stack.callback(_stop_children, children)  # runs before the NATS store is removed
             if _needs_mooncake(p):
@@ -319,6 +368,40 @@ def up(p: Plan) -> int:
         return 1
     finally:
         _stop_children(children)
+
+
+def _up_regions(p: Plan, stack: ExitStack, children: list[_Child]) -> int:
+    """``--regions``: one nats-server per region (its relay before its gateway, delaying by
+    ``--region-rtt-ms``), joined as a supercluster, then each region's children on its own
+    server. No per-role NATS users here: a client lands in its region's account
+    (``nats_config``), on servers that listen on loopback only."""
+    names = region_list(p.up)
+    folder = Path(stack.enter_context(data_store(data_dir(p.up.data_dir)))) / "regions"
+    stack.callback(_stop_children, children)
+    layout = wan.local_regions(names, folder, p.up.region_rtt_ms)
+    for region in layout:
+        server = _Child(f"{region.name}-nats-server", region.nats_command, procs.child_env(), subprocess.DEVNULL)
+        relay = _Child(f"{region.name}-wan-relay", region.relay_command, procs.child_env())
+        children += [server, relay]
+        procs.wait_for_port(region.spec.host, region.spec.client_port, 10.0, server.process)
+        procs.wait_for_port(region.spec.host, region.spec.gateway.port, 10.0, relay.process)
+    urls = {region.name: region.client_url for region in layout}
+    for child in p.children:
+        command, env = child_spec(child, urls[child.region])
+        children.append(_Child(child.name, command, env))
+    shown = []
+    for child in p.children:
+        if isinstance(child.config, IngressConfig):
+            url = f"http://{_display_host(child.config.host)}:{child.config.port}"
+            _wait_ready(url, children, p.up.ready_timeout_s)
+            shown.append(f"{child.region} {url}/v1")
+    rtt = f", round trips {p.up.region_rtt_ms} ms" if p.up.region_rtt_ms else ""
+    print(
+        f"Switchyard is ready: {', '.join(shown)} (regions joined as a NATS supercluster{rtt}; data in "
+        f"{data_dir(p.up.data_dir)}). Ctrl-C stops it.",
+        flush=True,
+    )
+    return _supervise(children, p.up.max_restarts, p.up.restart_window_s)
 
 
 @dataclass

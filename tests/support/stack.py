@@ -97,10 +97,13 @@ def running_stack(
     decode_cost: SimCostModel = SimCostModel(),
     worker_overrides: dict | None = None,
     ingress_overrides: dict | None = None,
+    scheduler_overrides: dict | None = None,
 ) -> Iterator[Stack]:
     overrides = worker_overrides or {}
     with start_blocking_portal(backend="asyncio") as portal:
-        sched = SchedulerService(SchedulerServiceConfig(nats_url=nats_url, core=scheduler))
+        sched = SchedulerService(
+            SchedulerServiceConfig(nats_url=nats_url, core=scheduler, **(scheduler_overrides or {}))
+        )
         ingress = IngressService(
             IngressConfig(nats_url=nats_url, model_dir=str(BUNDLED_MODEL), port=0, **(ingress_overrides or {}))
         )

@@ -372,7 +372,14 @@ def test_messages_are_frozen() -> None:
 # --- subjects ------------------------------------------------------------------------
 
 # Module constants that are not subjects: the version, its root, and a queue-group name.
-NOT_SUBJECTS = {"WIRE_VERSION", "ROOT", "SCHEDULER_QUEUE", "SCHEDULER_SENDER", "FED_PING_QUEUE", "SESSION_DIRECTORY_STREAM"}
+NOT_SUBJECTS = {
+    "WIRE_VERSION",
+    "ROOT",
+    "SCHEDULER_QUEUE",
+    "SCHEDULER_SENDER",
+    "FED_PING_QUEUE",
+    "SESSION_DIRECTORY_STREAM",
+}
 SUBJECT_RE = re.compile(r"^sy\.v1(\.[A-Za-z0-9_-]+)+$")
 
 

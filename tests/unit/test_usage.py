@@ -67,7 +67,8 @@ def test_each_tenant_has_its_own_subject_under_the_streams():
 def test_the_ingress_may_write_records_and_create_the_stream_only():
     rights = permissions.ingress()
     assert subjects.every_usage() in rights.publish
-    others = {*permissions.file_store(), *permissions.batch_ingress()}  # the Files and Batch APIs' own
+    # the Files and Batch APIs' own, and the federation's session directory
+    others = {*permissions.file_store(), *permissions.batch_ingress(), *permissions.federated_ingress()}
     jetstream = [s for s in rights.publish if s.startswith("$JS") and s not in others]
     assert jetstream == [f"$JS.API.STREAM.CREATE.{usage.STREAM}"]
     assert not [s for s in others if usage.STREAM in s]
