@@ -293,7 +293,7 @@ class SchedulerCore:
     def region_summary(self, region: str, scheduler_id: str, seq: int, sent_at: float) -> RegionSummary:
         """What this region says of itself to the others (``scheduler.regions``)."""
         prefill = [w for w in self.workers.values() if w.role != "decode"]
-        wait = self.predicted_wait_s()
+        wait = self.predicted_start_s()
         capacity = self.decode_capacity()
         decode_full = self._decode_demand > self.config.decode_overcommit * capacity
         queue_full = self._queue.tokens > 0.9 * self.config.max_queued_tokens
@@ -315,6 +315,18 @@ class SchedulerCore:
             saturated=not prefill or wait > self.config.spill_wait_s or queue_full or decode_full,
             spill_wait_s=self.config.spill_wait_s,
         )
+
+    def predicted_start_s(self) -> float:
+        """When a request arriving now would start its prefill: the queue ahead of it drains
+        at the whole fleet's rate, then it goes to the worker that frees up first (not the
+        fleet's time to work off everything, ``predicted_wait_s``: a region of 100 workers,
+        half busy, starts a request at once)."""
+        prefill = [w for w in self.workers.values() if w.role != "decode"]
+        if not prefill:
+            return 0.0
+        rate = sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s
+        soonest = min(w.load_tokens / (w.prefill_rate or self.config.default_prefill_tokens_per_s) for w in prefill)
+        return self._queue.tokens / rate + soonest
 
     def predicted_wait_s(self) -> float:
         """Time for the prefill fleet to work off what is queued and in flight."""

@@ -1000,3 +1000,32 @@ def test_stranded_sessions_and_handoffs_are_bounded_and_counted() -> None:
     assert (status.session_bindings, status.sessions_dropped) == (1, 1)  # the owner check
     h.event(worker_leaving("p1"))
     assert (h.core.status().session_bindings, h.core.status().sessions_dropped) == (0, 2)
+
+
+# --- the region's summary (federation) ------------------------------------------------------
+
+
+def test_a_region_summary_says_when_a_new_request_would_start_not_when_all_work_is_done() -> None:
+    h = Harness(default_prefill_tokens_per_s=1000.0, spill_wait_s=0.5, max_queued_tokens=10_000)
+    for worker in ("p-0", "p-1"):
+        h.report(worker, "prefill", budget=1000)
+    h.report("d-0", "decode", budget=100_000)
+    idle = h.core.region_summary("eu", "s-1", 1, 0.0)
+    assert (idle.predicted_wait_s, idle.saturated, idle.prefill_workers, idle.decode_workers) == (0.0, False, 2, 1)
+    assert idle.prefill_tokens_per_s == 2000.0 and idle.spill_wait_s == 0.5
+    h.admit(make_spec(prompt_len=800))  # one worker busy for 0.8 s, the other idle
+    half = h.core.region_summary("eu", "s-1", 2, 0.0)
+    assert half.inflight_tokens == 800 and half.predicted_wait_s == 0.0 and not half.saturated
+    assert h.core.predicted_wait_s() == pytest.approx(0.4)  # the fleet's backlog: not when the next starts
+    h.admit(make_spec(prompt_len=900))  # both busy: the next starts when p-0 frees up
+    both = h.core.region_summary("eu", "s-1", 3, 0.0)
+    assert both.predicted_wait_s == pytest.approx(0.8) and both.saturated
+    h.admit(make_spec(prompt_len=1000))  # queued: it drains at the fleet's rate first
+    queued = h.core.region_summary("eu", "s-1", 4, 0.0)
+    assert queued.queued_requests == 1 and queued.predicted_wait_s == pytest.approx(1000 / 2000 + 0.8)
+
+
+def test_a_region_without_prefill_workers_is_saturated() -> None:
+    h = Harness()
+    h.report("d-0", "decode", budget=1000)
+    assert h.core.region_summary("us", "s-1", 1, 0.0).saturated
