@@ -38,7 +38,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from switchyard.observability import decoded, subscribe
 from switchyard.scheduler import RegionPolicy, RegionRouter, Route, session_key
-from switchyard.schemas import RequestSpec, SessionPlacement, codec, subjects
+from switchyard.schemas import RegionSummary, RequestSpec, SessionPlacement, codec, subjects
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class Federation:
         self._clock = clock
         self._placed: dict[str, str] = {}  # request id -> the region that has it
         self._on_lost: Callable[[str, str], None] | None = None
+        self._on_new_scheduler: Callable[[str, list[str]], None] | None = None
         self.routed: dict[tuple[str, str], int] = {}  # (region, reason) -> requests
         self.lost = 0  # streams failed because their region went dark
 
@@ -141,6 +142,12 @@ class Federation:
         """``callback(request_id, region)`` for each stream in flight in a region gone dark."""
         self._on_lost = callback
 
+    def on_new_scheduler(self, callback: Callable[[str, list[str]], None]) -> None:
+        """``callback(scheduler_id, request_ids)`` when another region's scheduler was replaced
+        (a standby took over there), with the requests this ingress has in flight there: the
+        new one may not know those it had queued. Home's is told by its roll call."""
+        self._on_new_scheduler = callback
+
     # --- what it hears ---------------------------------------------------------------------
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
@@ -154,7 +161,16 @@ class Federation:
 
     async def _serve_summaries(self, sub) -> None:
         async for _, summary in decoded(sub, codec.REGION_SUMMARY, "region summary"):
-            self.router.observe(summary, self._clock())
+            self.heard(summary)
+
+    def heard(self, summary: RegionSummary) -> None:
+        before = self.router.summary(summary.region)
+        self.router.observe(summary, self._clock())
+        replaced = before is not None and before.scheduler_id != summary.scheduler_id
+        if replaced and summary.region != self.region and self._on_new_scheduler is not None:
+            there = [rid for rid, region in self._placed.items() if region == summary.region]
+            log.warning("region %s has a new scheduler, %s", summary.region, summary.scheduler_id)
+            self._on_new_scheduler(summary.scheduler_id, there)
 
     async def _serve_directory(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         js = self.nc.jetstream(timeout=2.0)

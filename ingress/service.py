@@ -134,7 +134,12 @@ class IngressService:
             if self.router.fail(request_id, "region_lost", f"region {region} went dark"):
                 self.metrics.region_lost_streams.inc()
 
+        def replaced(scheduler_id: str, request_ids: list[str]) -> None:
+            queued = self.router.scheduler_changed(scheduler_id, request_ids)
+            log.warning("a scheduler of another region took over; submitting %d queued streams again", queued)
+
         federation.on_lost(lost)
+        federation.on_new_scheduler(replaced)
         return federation
 
     def _region_gauges(self, federation: Federation) -> Callable[[], Awaitable[None]]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Collection
 
 import anyio
 
@@ -213,10 +214,15 @@ class StreamRouter:
         for inbox in self._inboxes.values():
             inbox.suspect_since = now
 
-    def scheduler_changed(self, scheduler_id: str) -> int:
-        """A new scheduler rolled call; returns how many queued streams are submitted again."""
-        self.suspect_all()
-        queued = [inbox for inbox in self._inboxes.values() if not inbox.senders]
+    def scheduler_changed(self, scheduler_id: str, request_ids: Collection[str] | None = None) -> int:
+        """A new scheduler rolled call (or, for ``request_ids`` only, another region's new
+        scheduler published its first summary); returns how many queued streams are
+        submitted again."""
+        inboxes = [inbox for rid, inbox in self._inboxes.items() if request_ids is None or rid in request_ids]
+        now = time.monotonic()
+        for inbox in inboxes:
+            inbox.suspect_since = now
+        queued = [inbox for inbox in inboxes if not inbox.senders]
         for inbox in queued:
             inbox.fail("scheduler_failover", f"scheduler {scheduler_id} took over; it may not know this request")
         return len(queued)
