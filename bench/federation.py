@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import subprocess
 import tempfile
@@ -278,6 +277,7 @@ def _tail(path: Path, chars: int = 2000) -> str:
 class Sample:
     entry: str = ""  # the ingress it was sent to
     sent_s: float = -1.0  # live seconds since the replay started
+    after_kill: bool = False  # sent once the kill was done
     status: int = 0  # HTTP status, or ERROR_EVENT / CONNECTION_LOST / HUNG
     ttft_s: float = -1.0  # live
     cached: int = 0
@@ -328,21 +328,22 @@ class Replay:
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
             started = time.perf_counter()
             async with anyio.create_task_group() as tg:
-                if self.kill is not None:
-                    tg.start_soon(self._kill_at, client, started)
                 for fr, sample in zip(self.requests, self.samples, strict=True):
-                    delay = self.arrival(fr) - (time.perf_counter() - started)
-                    if delay > 0:
-                        await anyio.sleep(delay)
+                    arrival = self.arrival(fr)
+                    if self.kill is not None and self.fleet.regions[self.kill].alive and arrival >= self.kill_at_s:
+                        await _sleep_until(started, self.kill_at_s)
+                        await self._kill(client)
+                    await _sleep_until(started, arrival)
+                    # the kill is done here, between two sends: no request races it
+                    sample.after_kill = self.kill is not None and not self.fleet.regions[self.kill].alive
                     sample.entry = self.fleet.nearest_alive(fr.ingress)
                     sample.sent_s = time.perf_counter() - started
                     tg.start_soon(self._one, client, fr, sample)
             self.at_end = await _scrape(client, self.fleet)
         return self
 
-    async def _kill_at(self, client: httpx.AsyncClient, started: float) -> None:
+    async def _kill(self, client: httpx.AsyncClient) -> None:
         assert self.kill is not None
-        await anyio.sleep(max(0.0, self.kill_at_s - (time.perf_counter() - started)))
         self.before_kill = await _scrape(client, self.fleet)
         self.fleet.kill(self.kill)  # at once: a loss, not a drain
 
@@ -366,6 +367,12 @@ class Replay:
                 sample.status = CONNECTION_LOST
         if scope.cancelled_caught:
             sample.status = HUNG
+
+
+async def _sleep_until(started: float, at_s: float) -> None:
+    delay = at_s - (time.perf_counter() - started)
+    if delay > 0:
+        await anyio.sleep(delay)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict, sample: Sample) -> None:
@@ -507,14 +514,14 @@ def summarize(policy: str, replay: Replay, args: argparse.Namespace) -> dict:
     """Steady: the requests arriving before the kill, less those the kill took in flight on the
     killed region's ingress (``lost_in_flight``); failover: those arriving after it."""
     t = replay.scaling.time
-    kill_at = replay.kill_at_s if replay.kill else math.inf
+    kill_at = replay.kill_at_s / t  # trace seconds
     ttfts = [s.ttft_s / t if s.status == 200 else None for s in replay.samples]
-    arrivals = [s.sent_s / t for s in replay.samples]  # trace seconds since the replay began
+    arrivals = [replay.arrival(fr) / t for fr in replay.requests]  # trace seconds, divided by the rate
     lost = [
-        i for i, s in enumerate(replay.samples) if s.sent_s < kill_at and s.entry == replay.kill and s.status in _LOST
+        i for i, s in enumerate(replay.samples) if not s.after_kill and s.entry == replay.kill and s.status in _LOST
     ]
-    before = [i for i, s in enumerate(replay.samples) if s.sent_s < kill_at and i not in lost]
-    after = [i for i, s in enumerate(replay.samples) if s.sent_s >= kill_at]
+    before = [i for i, s in enumerate(replay.samples) if not s.after_kill and i not in lost]
+    after = [i for i, s in enumerate(replay.samples) if s.after_kill]
     routes = replay.before_kill.routes if replay.kill else replay.at_end.routes
     steady = _phase(replay, before, ttfts, args.ttft_slo_s) | {"cross_region_share": _cross(routes)}
     row = {
@@ -524,7 +531,7 @@ def summarize(policy: str, replay: Replay, args: argparse.Namespace) -> dict:
         "hung": sum(1 for s in replay.samples if s.status == HUNG),
         "statuses": _count(str(s.status) for s in replay.samples),
         "samples": [
-            {"entry": s.entry, "arrival_s": a, "status": s.status, "ttft_s": x}
+            {"entry": s.entry, "arrival_s": a, "after_kill": s.after_kill, "status": s.status, "ttft_s": x}
             for s, a, x in zip(replay.samples, arrivals, ttfts, strict=True)
         ],
     }
@@ -535,10 +542,10 @@ def summarize(policy: str, replay: Replay, args: argparse.Namespace) -> dict:
             "cross_region_share": _cross(delta),
             "routes": _routes_record(delta),
             "killed": replay.kill,
-            "kill_at_s": kill_at / t,
+            "kill_at_s": kill_at,
             "lost_in_flight": len(lost),
             "entering_at_killed": sum(1 for i in after if replay.requests[i].ingress == replay.kill),
-            "recovery_s": recovery_s(met, [arrivals[i] for i in after], kill_at / t, steady["goodput_share"]),
+            "recovery_s": recovery_s(met, [arrivals[i] for i in after], kill_at, steady["goodput_share"]),
         }
     return row
 
@@ -725,11 +732,10 @@ def plot(results: dict, out: Path) -> None:
     fig, ax = plots.figure()
     for r in results["runs"]:
         for phase, style in (("steady", "-"), ("failover", "--")):
-            kill_at = r["failover"].get("kill_at_s", math.inf)
             samples = [
                 x["ttft_s"]
                 for x in r["samples"]
-                if x["ttft_s"] is not None and (x["arrival_s"] < kill_at) == (phase == "steady")
+                if x["ttft_s"] is not None and x["after_kill"] == (phase == "failover")
             ]
             plots.cdf(ax, samples, f"{r['policy']} {phase}", style)
     ax.axvline(slo, color="k", linestyle=":", label="SLO")
