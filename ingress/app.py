@@ -45,7 +45,7 @@ from switchyard.ingress.errors import (
     internal_error,
 )
 from switchyard.ingress.extras import DetokenizeRequest, RequestIdMiddleware, TokenizeRequest
-from switchyard.ingress.federation import Federation
+from switchyard.ingress.federation import REGION_HEADER, Federation
 from switchyard.ingress.generation import Generation, GenerationContext, Kind
 from switchyard.ingress.openai_types import (
     ChatCompletionRequest,
@@ -376,6 +376,10 @@ class Ingress:
         log.debug("%s is x-request-id %s", spec.request_id, request.state.request_id)
         inbox = self.router.open(spec.request_id, max_tokens)  # before submitting: hear every token
         try:
+            if (region := request.headers.get(REGION_HEADER)) is not None:
+                if self.federation is None:
+                    raise InvalidRequest(f"Header {REGION_HEADER} needs an ingress in a region (--region).")
+                self.federation.pin(spec.request_id, region.strip())
             await self._submit(spec, trace.set_span_in_context(span))
             options = body.stream_options if body.stream else None
             include_usage = bool(options and options.include_usage)
@@ -405,6 +409,8 @@ class Ingress:
     def _abandon(self, request_id: str, span: Span, exc: BaseException) -> None:
         """A request that never became a Generation: close its route and its span."""
         self.router.close(request_id)
+        if self.federation is not None:
+            self.federation.finished(request_id)
         if isinstance(exc, ApiError):
             outcome = f"rejected_{exc.status}"
         else:  # a bug, or the request cancelled under us
@@ -587,7 +593,7 @@ def _cors(origins: str) -> list[Middleware]:
             CORSMiddleware,
             allow_origins=allowed,
             allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type", "x-request-id", "x-session-affinity"],
+            allow_headers=["authorization", "content-type", "x-request-id", "x-session-affinity", REGION_HEADER],
             expose_headers=["x-request-id", "retry-after"],
         )
     ]

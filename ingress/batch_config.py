@@ -35,6 +35,14 @@ class BatchRunnerConfig(ConfigStruct, frozen=True, kw_only=True):
         float,
         setting("pull batch lines only while each role's workers have this share of their budgets free", ge=0, lt=1),
     ] = 0.1
+    # Federation: while its own region has no headroom, lines run in another region that has
+    # (its ingress pins them there with x-switchyard-region; a batch has no TTFT to lose to a WAN).
+    region: Annotated[
+        str, setting("the runner's region: lines run in another region that has headroom while this one has none")
+    ] = ""
+    remote_status_interval_s: Annotated[
+        float, setting("federation: how often other regions' queues are read while this region has no headroom", gt=0)
+    ] = 0.5
     status_interval_s: Annotated[float, setting("how often the scheduler's queue is read while pulling", gt=0)] = 0.02
     pulls_per_status: Annotated[int, setting("lines pulled on one reading of the scheduler's queue", gt=0)] = 4
     max_in_flight: Annotated[int, setting("lines this runner runs at once, all batches together", gt=0)] = 64

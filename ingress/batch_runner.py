@@ -57,9 +57,10 @@ from switchyard.ingress.batch_lines import output_files
 from switchyard.ingress.batch_store import BatchStore, now_s
 from switchyard.ingress.batches import OUTPUT_PURPOSE, BatchMaker
 from switchyard.ingress.errors import ApiError, IngressError
+from switchyard.ingress.federation import REGION_HEADER
 from switchyard.ingress.files import FileStore
-from switchyard.observability import BusStats, connect, subscribe
-from switchyard.schemas import ClusterStatus, StatusRequest, codec, subjects
+from switchyard.observability import BusStats, connect, decoded, subscribe
+from switchyard.schemas import ClusterStatus, RegionSummary, StatusRequest, codec, subjects
 from switchyard.schemas import batch as schema
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ _STALE_FINALIZING_S = 60
 _ABANDONED_VALIDATING_S = 600  # a batch is queued in seconds (10,000 lines: about one)
 _IDLE_SCANS_BEFORE_SWEEP = 2
 PRIORITY_HEADER = "x-switchyard-priority"
+_REGION_DARK_S = 3.0  # another region's summaries older than this: not asked
 
 
 def has_headroom(status: ClusterStatus | None, config: BatchRunnerConfig) -> bool:
@@ -93,6 +95,16 @@ def has_headroom(status: ClusterStatus | None, config: BatchRunnerConfig) -> boo
         if budget and sum(w.inflight_tokens for w in workers) > (1 - config.headroom_free_budget) * budget:
             return False
     return True
+
+
+def pick_region(
+    home: ClusterStatus | None, others: list[tuple[str, ClusterStatus | None]], config: BatchRunnerConfig
+) -> str | None:
+    """Where the next lines run: "" (home) while it has headroom, else the first of ``others``
+    (in the caller's order of preference) that has; None: nowhere."""
+    if has_headroom(home, config):
+        return ""
+    return next((region for region, status in others if has_headroom(status, config)), None)
 
 
 class FairPicker:
@@ -185,6 +197,10 @@ class BatchRunner:
         self._status: ClusterStatus | None = None
         self._status_at = -1.0
         self._pulls_left = 0
+        self._target: str | None = None  # where the lines pulled on this status run ("": home)
+        self._summaries: dict[str, tuple[float, RegionSummary]] = {}  # other regions', when heard
+        self._remote_at = -1.0
+        self._remote: list[tuple[str, ClusterStatus | None]] = []
         self.lines_run = 0  # results this runner stored (not counting ones already there)
         self._transport = transport
         self._api_key = _read_key(config.api_key_file)
@@ -209,6 +225,8 @@ class BatchRunner:
                     await subscribe(nc, subjects.batch_max_deliveries(schema.WORK_STREAM), schema.RUNNER_QUEUE),
                 )
                 tg.start_soon(self._submits, await subscribe(nc, subjects.BATCH_SUBMIT, schema.RUNNER_QUEUE))
+                if cfg.region:
+                    tg.start_soon(self._hear_regions, await subscribe(nc, subjects.every_fed_summary()))
                 await nc.flush()
                 log.info("batch runner %s sending lines to %s", cfg.runner_id, cfg.ingress_url)
                 task_status.started()
@@ -236,11 +254,12 @@ class BatchRunner:
             except BaseException:
                 slots.release()
                 raise
+            region = self._target or ""
             for i, msg in enumerate(msgs):
                 if i:  # the first took the slot acquired above; _next_lines fetched no more than are free
                     slots.acquire_nowait()
                 active.in_flight += 1
-                tg.start_soon(self._execute, active, msg, slots)
+                tg.start_soon(self._execute, active, msg, slots, region)
 
     async def _next_lines(self, spare: int) -> tuple[_Active, list[Msg]]:
         """Lines of one batch: at least one, and up to ``spare`` more (free slots, the batch's
@@ -287,15 +306,35 @@ class BatchRunner:
         stale = time.monotonic() - self._status_at >= self.config.status_interval_s
         if stale or self._pulls_left <= 0:
             self._status = await self._cluster_status()
+            self._target = pick_region(self._status, await self._other_regions(), self.config)
             self._status_at = time.monotonic()
             self._pulls_left = self.config.pulls_per_status
-        return self._pulls_left > 0 and has_headroom(self._status, self.config)
+        return self._pulls_left > 0 and self._target is not None
 
-    async def _cluster_status(self) -> ClusterStatus | None:
+    async def _other_regions(self) -> list[tuple[str, ClusterStatus | None]]:
+        """Federated, while home has no headroom: the other live regions' statuses (read every
+        ``remote_status_interval_s``), the least queued by their summaries first."""
+        if not self.config.region or has_headroom(self._status, self.config):
+            return []
+        now = time.monotonic()
+        if now - self._remote_at >= self.config.remote_status_interval_s:
+            self._remote_at = now
+            live = [(s.predicted_wait_s, r) for r, (at, s) in self._summaries.items() if now - at < _REGION_DARK_S]
+            self._remote = [
+                (region, await self._cluster_status(subjects.to_region(region, "submit")))
+                for _, region in sorted(live)
+                if not self._summaries[region][1].saturated
+            ]
+        return self._remote
+
+    async def _hear_regions(self, sub) -> None:
+        async for _, summary in decoded(sub, codec.REGION_SUMMARY, "region summary"):
+            if summary.region != self.config.region:
+                self._summaries[summary.region] = (time.monotonic(), summary)
+
+    async def _cluster_status(self, subject: str = subjects.SUBMIT) -> ClusterStatus | None:
         try:
-            reply = await self._nc.request(
-                subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(StatusRequest()), timeout=1.0
-            )
+            reply = await self._nc.request(subject, codec.SCHEDULER_REQUEST.encode(StatusRequest()), timeout=1.0)
         except (NoRespondersError, NatsTimeout):
             return None
         status = codec.SCHEDULER_REPLY.decode(reply.data)
@@ -303,7 +342,7 @@ class BatchRunner:
 
     # --- one line --------------------------------------------------------------------------------
 
-    async def _execute(self, active: _Active, msg: Msg, slots: anyio.Semaphore) -> None:
+    async def _execute(self, active: _Active, msg: Msg, slots: anyio.Semaphore, region: str = "") -> None:
         try:
             item = schema.WORK_ITEM.decode(msg.data)
         except msgspec.DecodeError:
@@ -315,7 +354,7 @@ class BatchRunner:
         try:
             with anyio.CancelScope() as scope:
                 active.scopes.add(scope)
-                await self._run_line(active, item, msg)
+                await self._run_line(active, item, msg, region)
             if scope.cancelled_caught:  # its batch was cancelled while it ran
                 await self._settle(item, msg, _dropped(item, "cancel"))
         except Exception:
@@ -325,7 +364,7 @@ class BatchRunner:
             active.in_flight -= 1
             slots.release()
 
-    async def _run_line(self, active: _Active, item: schema.WorkItem, msg: Msg) -> None:
+    async def _run_line(self, active: _Active, item: schema.WorkItem, msg: Msg, region: str = "") -> None:
         if await self.store.has_result(item.batch_id, item.custom_id):
             await msg.ack()  # run before; its ack was lost or its runner died after storing
             return
@@ -333,19 +372,21 @@ class BatchRunner:
         if mode != "run":
             await self._settle(item, msg, _dropped(item, mode))
             return
-        result = await self._post(item, msg)
+        result = await self._post(item, msg, region)
         if result is not None:
             await self._settle(item, msg, result)
 
-    async def _post(self, item: schema.WorkItem, msg: Msg) -> schema.LineResult | None:
-        """The line's result, or None when it was handed back to run again (``nak``)."""
+    async def _post(self, item: schema.WorkItem, msg: Msg, region: str = "") -> schema.LineResult | None:
+        """The line's result, or None when it was handed back to run again (``nak``); run in
+        ``region`` when one is named (another region's headroom)."""
         delivered = msg.metadata.num_delivered
         response: httpx.Response | None = None
         why = ""
         async with anyio.create_task_group() as beat:
             beat.start_soon(_keep_in_progress, msg, self.config.ack_wait_s / 3)
             try:
-                response = await self._http.post(item.endpoint, content=item.body, headers=self._headers(item.tenant))
+                headers = self._headers(item.tenant) | ({REGION_HEADER: region} if region else {})
+                response = await self._http.post(item.endpoint, content=item.body, headers=headers)
             except httpx.HTTPError as exc:
                 why = f"{type(exc).__name__}: {exc}"
             beat.cancel_scope.cancel()

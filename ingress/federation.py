@@ -36,6 +36,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
+from switchyard.ingress.errors import InvalidRequest, Unavailable
 from switchyard.observability import decoded, subscribe
 from switchyard.scheduler import RegionPolicy, RegionRouter, Route, session_key
 from switchyard.schemas import RegionSummary, RequestSpec, SessionPlacement, codec, subjects
@@ -43,6 +44,7 @@ from switchyard.schemas import RegionSummary, RequestSpec, SessionPlacement, cod
 log = logging.getLogger(__name__)
 
 DIRECTORY_STREAM = subjects.SESSION_DIRECTORY_STREAM
+REGION_HEADER = "x-switchyard-region"  # run the request in this region (a batch runner's lines)
 _PING_TIMEOUT_S = 2.0
 
 
@@ -97,6 +99,7 @@ class Federation:
         self.session_ttl_s = session_ttl_s
         self._clock = clock
         self._placed: dict[str, str] = {}  # request id -> the region that has it
+        self._pins: dict[str, str] = {}  # request id -> the region its client named
         self._on_lost: Callable[[str, str], None] | None = None
         self._on_new_scheduler: Callable[[str, list[str]], None] | None = None
         self.routed: dict[tuple[str, str], int] = {}  # (region, reason) -> requests
@@ -104,11 +107,29 @@ class Federation:
 
     # --- per request -------------------------------------------------------------------
 
+    def pin(self, request_id: str, region: str) -> None:
+        """The client named the region (``x-switchyard-region``): every run of the request goes
+        there, or fails (no other region is tried)."""
+        if region != self.region and region not in self.router.regions():
+            known = ", ".join(self.router.regions())
+            raise InvalidRequest(f"Unknown region {region!r}; the regions are {known}.", param=REGION_HEADER)
+        self._pins[request_id] = region
+
     def route(self, spec: RequestSpec, exclude: frozenset[str] = frozenset()) -> Route:
         placement = None
         if spec.session is not None:
             placement = self.directory.lookup(directory_key(spec.tenant, spec.session), time.time())
-        route = self.router.route(len(spec.prompt_tokens), placement, self._clock(), exclude)
+        pinned = self._pins.get(spec.request_id)
+        if pinned is not None:
+            if pinned in exclude:  # it refused: no other region may serve it
+                return Route(pinned, "pinned", 0.0)
+            if pinned != self.region and not self.router.alive(pinned, self._clock()):
+                raise Unavailable(
+                    f"Region {pinned} is unreachable (dark).", code="region_unavailable", retry_after_s=1.0
+                )
+            route = self.router.pin(pinned, len(spec.prompt_tokens), placement)
+        else:
+            route = self.router.route(len(spec.prompt_tokens), placement, self._clock(), exclude)
         self.routed[(route.region, route.reason)] = self.routed.get((route.region, route.reason), 0) + 1
         return route
 
@@ -137,6 +158,7 @@ class Federation:
 
     def finished(self, request_id: str) -> None:
         self._placed.pop(request_id, None)
+        self._pins.pop(request_id, None)
 
     def on_lost(self, callback: Callable[[str, str], None]) -> None:
         """``callback(request_id, region)`` for each stream in flight in a region gone dark."""

@@ -89,6 +89,12 @@ _HEADERS = [  # what ingress.app reads besides the body
         "description": "the first token is due within this many seconds, else 429 up front or 504",
         "schema": {"type": "string", "pattern": "^[1-9][0-9]{0,3}(\\.[0-9]{1,3})?$"},  # within (0, 86400)
     },
+    {
+        "name": "x-switchyard-region",
+        "in": "header",
+        "description": "a federated ingress runs the request in this region only (400 if unknown, 503 while it is dark)",
+        "schema": {"type": "string", "pattern": "^[a-z][a-z0-9-]{0,31}$"},
+    },
 ]
 
 

@@ -33,7 +33,7 @@ from switchyard.schemas import RegionSummary, SessionPlacement
 
 RegionPolicy = Literal["geo", "local", "blind"]
 REGION_POLICIES: tuple[RegionPolicy, ...] = ("geo", "local", "blind")
-RouteReason = Literal["home", "session", "spill", "blind", "local"]
+RouteReason = Literal["home", "session", "spill", "blind", "local", "pinned"]
 
 _RTT_WEIGHT = 0.3  # of a new round-trip sample in the moving average
 
@@ -138,6 +138,12 @@ class RegionRouter:
         return summary.saturated or 0 < summary.spill_wait_s < self._queue_s(name)
 
     # --- the decision ---------------------------------------------------------------------
+
+    def pin(self, name: str, prompt_tokens: int, placement: SessionPlacement | None) -> Route:
+        """The caller named the region (``x-switchyard-region``): that one, counted as sent."""
+        cached = min(placement.prompt_tokens, prompt_tokens) if placement and placement.region == name else 0
+        self._regions.setdefault(name, _Region(name))
+        return self._chosen(name, "pinned", prompt_tokens - cached)
 
     def route(
         self,

@@ -147,8 +147,9 @@ def regional_children(up_cfg: UpConfig, children: list[ChildPlan], origin: dict[
             elif isinstance(config, BatchRunnerConfig):
                 url = urllib.parse.urlsplit(config.ingress_url)
                 port = (url.port or 80) + i
+                netloc = f"{url.hostname}:{port}"
                 config = msgspec.structs.replace(
-                    config, ingress_url=url._replace(netloc=f"{url.hostname}:{port}").geturl()
+                    config, region=region, ingress_url=url._replace(netloc=netloc).geturl()
                 )
             out.append(ChildPlan(f"{region}-{child.name}", child.command, child.process, config, child.origin, region))
     return out

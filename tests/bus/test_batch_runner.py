@@ -361,10 +361,10 @@ async def test_a_line_redelivered_after_its_result_was_stored_gives_no_second_li
     deliveries: list[int] = []
 
     class FailsBeforeTheAck(BatchRunner):
-        async def _run_line(self, active, item, msg):
+        async def _run_line(self, active, item, msg, region=""):
             if item.custom_id == "line-1":
                 deliveries.append(msg.metadata.num_delivered)
-            await super()._run_line(active, item, msg)
+            await super()._run_line(active, item, msg, region)
 
         async def _settle(self, item, msg, result):
             if item.custom_id == "line-1" and msg is not None and len(deliveries) == 1:

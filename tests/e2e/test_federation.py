@@ -13,6 +13,7 @@ ingress, driven through the official ``openai`` client.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -21,10 +22,13 @@ import msgspec
 import openai
 import pytest
 
+from switchyard.ingress.batch_config import BatchRunnerConfig
+from switchyard.ingress.batch_runner import BatchRunner
 from switchyard.ingress.config import RegionsConfig
 from switchyard.ingress.federation import Federation, directory_key
 from switchyard.ingress.service import IngressService
-from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.config import SchedulerConfig, SchedulerServiceConfig
+from switchyard.scheduler.service import SchedulerService
 from switchyard.workers.sim import SimCostModel
 from tests.support.regions import Supercluster, local_supercluster
 from tests.support.stack import MODEL, Stack, running_stack, wait_until
@@ -174,6 +178,80 @@ def test_a_saturated_region_spills_instead_of_refusing(regions: Regions) -> None
     assert all(r.usage.completion_tokens == 8 for r in replies)
     spilled = sum(n for (region, reason), n in ap.routed.items() if reason == "spill") - before
     assert spilled > 0, ap.routed
+
+
+def test_a_client_may_pin_its_request_to_a_region(regions: Regions) -> None:
+    us = regions.federation("us")
+    before = us.routed.get(("ap", "pinned"), 0)
+    reply = regions.client("us").chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "stay in ap"}],
+        max_tokens=3,
+        extra_headers={"x-switchyard-region": "ap"},
+    )
+    assert reply.usage.completion_tokens == 3
+    assert us.routed.get(("ap", "pinned"), 0) == before + 1
+    with pytest.raises(openai.BadRequestError, match="Unknown region 'mars'"):
+        regions.client("us").chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=3,
+            extra_headers={"x-switchyard-region": "mars"},
+        )
+
+
+def test_a_batch_runs_in_another_region_while_its_own_has_no_headroom(regions: Regions) -> None:
+    # ap's scheduler is gone (no headroom to read at home); its ingress, JetStream and runner stay
+    ap = regions.stacks["ap"]
+    ap.stop_scheduler()
+    try:
+        runner = BatchRunner(
+            BatchRunnerConfig(
+                nats_url=regions.sc.url("ap"),
+                ingress_url=ap.ingress.url,
+                region="ap",
+                scan_interval_s=0.1,
+                remote_status_interval_s=0.2,
+            )
+        )
+        ap.start(runner.run)
+        lines = [
+            {
+                "custom_id": f"line-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": MODEL, "messages": [{"role": "user", "content": f"batch {i}"}], "max_tokens": 3},
+            }
+            for i in range(6)
+        ]
+        client = regions.client("ap")
+        upload = client.files.create(
+            file=("in.jsonl", b"".join(json.dumps(x).encode() + b"\n" for x in lines)), purpose="batch"
+        )
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while (batch := client.batches.retrieve(batch.id)).status != "completed":
+            assert batch.status not in ("failed", "expired", "cancelled"), batch
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.2)
+        assert batch.request_counts.completed == 6
+        routed = regions.federation("ap").routed
+        assert sum(n for (region, reason), n in routed.items() if reason == "pinned" and region != "ap") >= 6, routed
+        output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(o["custom_id"] for o in output) == [f"line-{i}" for i in range(6)]
+        assert all(o["response"]["status_code"] == 200 for o in output)
+    finally:
+        ap.start(
+            SchedulerService(
+                SchedulerServiceConfig(
+                    nats_url=regions.sc.url("ap"),
+                    core=SchedulerConfig(worker_expiry_s=1.0, max_queued_tokens=20_000),
+                    region="ap",
+                    summary_interval_s=0.2,
+                )
+            ).run
+        )
+    assert wait_until(lambda: regions.federation("us").router.alive("ap", time.monotonic()), 15.0)
 
 
 def test_a_region_killed_under_load_ends_cleanly_and_the_others_take_over(regions: Regions) -> None:

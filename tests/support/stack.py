@@ -76,6 +76,15 @@ class Stack:
             time.sleep(0.05)
         raise AssertionError(f"stack not healthy within {timeout_s} s: {body}")
 
+    def stop_scheduler(self) -> None:
+        """Stop the scheduler (the first task started), as if it died; ``start`` a new one."""
+        future = self._futures.pop(0)
+        future.cancel()
+        try:
+            future.result(timeout=10)
+        except BaseException:  # cancelled is the expected ending
+            pass
+
     def stop(self) -> None:
         for future in reversed(self._futures):
             future.cancel()

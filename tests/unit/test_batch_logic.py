@@ -11,7 +11,15 @@ import pytest
 
 from switchyard.ingress.batch_config import BatchRunnerConfig
 from switchyard.ingress.batch_lines import MAX_ERRORS, check_input, output_files
-from switchyard.ingress.batch_runner import FairPicker, _Active, counts_of, final_status, has_headroom, mode_of
+from switchyard.ingress.batch_runner import (
+    FairPicker,
+    _Active,
+    counts_of,
+    final_status,
+    has_headroom,
+    mode_of,
+    pick_region,
+)
 from switchyard.ingress.batch_store import BatchConflict
 from switchyard.ingress.batches import BatchMaker, cancelled, page
 from switchyard.ingress.errors import InvalidRequest
@@ -226,3 +234,12 @@ def test_a_batch_runs_one_line_until_its_shared_prefix_is_warm() -> None:
     resumed = _Active(batch(request_counts=RequestCounts(total=9, completed=1)), sub=None)  # another runner's result
     resumed.in_flight = 3
     assert resumed.room(4) and resumed.room_left(4) == 1 and cold.room_left(4) == 0
+
+
+def test_lines_run_home_while_it_has_headroom_else_in_the_first_other_region_that_has() -> None:
+    cfg = BatchRunnerConfig()
+    idle, busy = status(0, 0), status(3, 3000)
+    assert pick_region(idle, [("eu", idle)], cfg) == ""
+    assert pick_region(busy, [("eu", busy), ("ap", idle), ("us", idle)], cfg) == "ap"  # the caller's order
+    assert pick_region(busy, [("eu", busy), ("ap", None)], cfg) is None  # ap did not answer: nowhere
+    assert pick_region(None, [], cfg) is None
