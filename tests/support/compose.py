@@ -1,9 +1,8 @@
 """Reading a compose file the way its tests need: each Switchyard `command` resolved by the
 real CLI and settings (a rejected one fails the test, it does not exit), and the plain facts
 of a service (dependencies, published ports, mounts, networks).
-
-tests/unit/test_compose.py has its own copies of ``parse_command``, ``depends_on`` and
-``published_ports`` (written before this module); they are the same code.
+Both compose files' tests read them through here (tests/unit/test_compose.py,
+tests/unit/test_compose_regions.py).
 """
 
 from __future__ import annotations

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from switchyard import cli, settings
+from tests.support.compose import depends_on, parse_command, published_ports
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 NATS_SERVICE = "nats"
@@ -42,50 +39,6 @@ def switchyard_services(services: dict[str, dict]) -> dict[str, list[str]]:
         and svc["command"][:1] == ["switchyard"]
         and svc["command"][1] not in SETUP_COMMANDS
     }
-
-
-@dataclass(frozen=True)
-class Parsed:
-    command: str
-    config: Any  # the service's config tree, every setting checked
-
-
-def parse_command(command: list[str]) -> Parsed:
-    """Resolve a compose `command` with the real CLI and settings; fail the test (not exit) if it is rejected.
-    The environment is not read and the model directory (inside the image) is not opened."""
-    assert isinstance(command, list) and all(isinstance(a, str) for a in command), command
-    assert command[:1] == ["switchyard"], command
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            args = cli.build_parser().parse_args(command[1:])
-        tree = settings.COMMAND_TREES[args.command][1]
-        sources = cli.sources_of(args, env={})
-        defaults = settings.engine_defaults(*settings.engine_hints(tree, sources, args.command))
-        return Parsed(args.command, settings.resolve(tree, sources, args.command, defaults=defaults).config)
-    except SystemExit as exc:
-        pytest.fail(f"switchyard rejects {command!r} (exit {exc.code}): {stderr.getvalue().strip()}")
-    except settings.ConfigError as exc:
-        pytest.fail(f"switchyard rejects {command!r}: {exc}")
-
-
-def depends_on(svc: dict) -> list[str]:
-    deps = svc.get("depends_on", [])
-    return list(deps) if isinstance(deps, (list, dict)) else []
-
-
-def published_ports(svc: dict) -> list[tuple[int, int]]:
-    """(host port, container port) pairs from short ("8000:8000", "127.0.0.1:8000:8000") or long syntax."""
-    pairs = []
-    for entry in svc.get("ports", []):
-        if isinstance(entry, dict):
-            target = int(entry["target"])
-            pairs.append((int(entry.get("published", target)), target))
-        else:
-            parts = str(entry).split("/")[0].split(":")
-            target = int(parts[-1])
-            pairs.append((int(parts[-2]) if len(parts) > 1 else target, target))
-    return pairs
 
 
 def test_there_are_switchyard_services(services):
