@@ -399,7 +399,8 @@ def _up_regions(p: Plan, stack: ExitStack, children: list[_Child]) -> int:
     rtt = f", round trips {p.up.region_rtt_ms} ms" if p.up.region_rtt_ms else ""
     print(
         f"Switchyard is ready: {', '.join(shown)} (regions joined as a NATS supercluster{rtt}; data in "
-        f"{data_dir(p.up.data_dir)}). Ctrl-C stops it.",
+        f"{data_dir(p.up.data_dir)}; NATS on 127.0.0.1 without per-role users: each service is in its "
+        "region's account). Ctrl-C stops it.",
         flush=True,
     )
     return _supervise(children, p.up.max_restarts, p.up.restart_window_s)
