@@ -26,7 +26,9 @@ system, once per region policy, each on a fresh set of regions:
   relay and its ``up`` with every descendant are SIGKILLed (psutil, recursive), and nothing
   restarts them. **Client-side failover** is assumed: from the kill on, a request whose entry
   region is dead is sent to the nearest live region's ingress (by round trip), as if DNS or an
-  anycast address turned at once. Requests in flight on the dead ingress are lost with it.
+  anycast address turned at once; its TTFT counts that round trip (added, as the sim adds it;
+  the ingresses themselves are all on loopback). Requests in flight on the dead ingress are
+  lost with it.
 
 Figures per policy, over the requests arriving before the kill (**steady**) and after it
 (**failover**): cache hit ratio (cached_tokens / prompt_tokens of the usage of the completed
@@ -76,8 +78,8 @@ from switchyard.bench.traces import TRACE_BLOCK_SIZE, hit_ratio_bound, read_trac
 
 MODEL = "switchyard-sim"
 DEFAULT_OUT = Path("bench/results/federation")
-RECOVERY_WINDOW = 30  # consecutive requests after the kill
-RECOVERY_TOLERANCE = 0.1  # a window this far below the steady SLO share is bad
+RECOVERY_WINDOW = 20  # consecutive touched requests (module notes: recovery time)
+RECOVERY_HURT_SHARE = 0.1  # a window with more of them hurt is bad
 READY_TIMEOUT_S = 90.0
 
 # What a request ended as, beside its HTTP status
@@ -102,6 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     live.add_argument("--live-cache-blocks", type=int, default=CostModel().kv_capacity_tokens // TRACE_BLOCK_SIZE)
     live.add_argument("--live-summary-interval-s", type=float, default=0.1, help="live seconds")
     live.add_argument("--live-dark-after-s", type=float, default=1.0, help="live seconds")
+    live.add_argument(
+        "--spill-wait-s",
+        type=float,
+        default=2.0,
+        help="the schedulers' spill threshold in trace seconds (the scheduler's default), scaled like every cost",
+    )
+    live.add_argument("--no-baseline", action="store_true", help="skip the runs without the kill (no recovery time)")
     live.add_argument("--request-timeout-s", type=float, default=120.0, help="live; a request longer is hung")
 
 
@@ -278,6 +287,7 @@ class Sample:
     entry: str = ""  # the ingress it was sent to
     sent_s: float = -1.0  # live seconds since the replay started
     after_kill: bool = False  # sent once the kill was done
+    client_rtt_s: float = 0.0  # live: to the ingress it was sent to, when not its own region's
     status: int = 0  # HTTP status, or ERROR_EVENT / CONNECTION_LOST / HUNG
     ttft_s: float = -1.0  # live
     cached: int = 0
@@ -337,6 +347,7 @@ class Replay:
                     # the kill is done here, between two sends: no request races it
                     sample.after_kill = self.kill is not None and not self.fleet.regions[self.kill].alive
                     sample.entry = self.fleet.nearest_alive(fr.ingress)
+                    sample.client_rtt_s = self.fleet.rtt.rtt_ms(fr.ingress, sample.entry) / 1000
                     sample.sent_s = time.perf_counter() - started
                     tg.start_soon(self._one, client, fr, sample)
             self.at_end = await _scrape(client, self.fleet)
@@ -426,16 +437,20 @@ def run_live(args: argparse.Namespace, log: Callable[[str], None] = print) -> di
         f"{args.kill or 'no region'} killed at {kill_at_trace * scaling.time:.1f} s live"
     )
     rows = []
+    kill_at_live = kill_at_trace * scaling.time
     for policy in policies:
         started = time.monotonic()
-        replay = _run_policy(policy, split, scaling, rtts, args, kill_at_trace * scaling.time)
-        row = summarize(policy, replay, args)
+        baseline = None
+        if args.kill and not args.no_baseline:
+            baseline = _run_policy(policy, split, scaling, rtts, args, None, kill_at_live)
+        replay = _run_policy(policy, split, scaling, rtts, args, args.kill or None, kill_at_live)
+        row = summarize(policy, replay, args, baseline)
         row["wall_s"] = time.monotonic() - started
         rows.append(row)
+        after = row["failover"].get("goodput_share")
         log(
-            f"  {policy}: steady TTFT p90 {_ms(row['steady']['ttft_p90_s'])}, goodput "
-            f"{100 * row['steady']['goodput_share']:.1f}%; after the kill {100 * row['failover']['goodput_share']:.1f}%"
-            f" ({row['wall_s']:.0f} s wall)"
+            f"  {policy}: steady TTFT p90 {_ms(row['steady']['ttft_p90_s'])} ms, goodput "
+            f"{_pct(row['steady']['goodput_share'])}; after the kill {_pct(after)} ({row['wall_s']:.0f} s wall)"
         )
     results = {"settings": settings, "runs": rows}
     out = args.out / "live"
@@ -469,17 +484,19 @@ def _settings(args, regions, rtts, split, skipped: int, kill_at_trace: float, bo
         "token_scale": args.token_scale,
         "summary_interval_s_live": args.live_summary_interval_s,
         "dark_after_s_live": args.live_dark_after_s,
+        "spill_wait_s": args.spill_wait_s,
         "ttft_slo_s": args.ttft_slo_s,
         "kill": args.kill or None,
         "kill_at_s": kill_at_trace,  # trace seconds (divided by the rate)
         "recovery_window": RECOVERY_WINDOW,
-        "recovery_tolerance": RECOVERY_TOLERANCE,
+        "recovery_hurt_share": RECOVERY_HURT_SHARE,
+        "baseline": not args.no_baseline,
         "hit_ratio_bound": bound,
         "seed": args.seed,
     }
 
 
-def _run_policy(policy, split, scaling: Scaling, rtts, args, kill_at_live: float) -> Replay:
+def _run_policy(policy, split, scaling: Scaling, rtts, args, kill: str | None, kill_at_live: float) -> Replay:
     rtt = wan.RttTable({frozenset(pair): s * 1000 * scaling.time for pair, s in rtts.items()})
     up_flags = [
         "--log-level",
@@ -496,32 +513,33 @@ def _run_policy(policy, split, scaling: Scaling, rtts, args, kill_at_live: float
         repr(args.live_summary_interval_s),
         "--region-dark-after-s",
         repr(args.live_dark_after_s),
+        "--spill-wait-s",
+        repr(args.spill_wait_s * scaling.time),
         *worker_flags(live_cost(CostModel()), scaling, args.live_cache_blocks),
     ]
     regions = [r.strip() for r in args.regions.split(",") if r.strip()]
     with tempfile.TemporaryDirectory(prefix="switchyard-federation-") as folder:
         with LiveRegions(regions, Path(folder), rtt, up_flags) as fleet:
-            replay = Replay(
-                fleet, split, scaling, args.live_rate, args.kill or None, kill_at_live, args.request_timeout_s
-            )
+            replay = Replay(fleet, split, scaling, args.live_rate, kill, kill_at_live, args.request_timeout_s)
             return anyio.run(replay.run)
 
 
 # --- figures --------------------------------------------------------------------------------------
 
 
-def summarize(policy: str, replay: Replay, args: argparse.Namespace) -> dict:
+def summarize(policy: str, replay: Replay, args: argparse.Namespace, baseline: Replay | None = None) -> dict:
     """Steady: the requests arriving before the kill, less those the kill took in flight on the
-    killed region's ingress (``lost_in_flight``); failover: those arriving after it."""
+    killed region's ingress (``lost_in_flight``); failover: those arriving after it. ``baseline``:
+    the same replay without the kill (its second half is the failover phase's reference)."""
     t = replay.scaling.time
     kill_at = replay.kill_at_s / t  # trace seconds
-    ttfts = [s.ttft_s / t if s.status == 200 else None for s in replay.samples]
+    ttfts = _ttfts(replay)  # the client's round trip to another region's ingress included
     arrivals = [replay.arrival(fr) / t for fr in replay.requests]  # trace seconds, divided by the rate
     lost = [
         i for i, s in enumerate(replay.samples) if not s.after_kill and s.entry == replay.kill and s.status in _LOST
     ]
-    before = [i for i, s in enumerate(replay.samples) if not s.after_kill and i not in lost]
-    after = [i for i, s in enumerate(replay.samples) if s.after_kill]
+    before = [i for i, a in enumerate(arrivals) if a < kill_at and i not in lost]
+    after = [i for i, a in enumerate(arrivals) if a >= kill_at]
     routes = replay.before_kill.routes if replay.kill else replay.at_end.routes
     steady = _phase(replay, before, ttfts, args.ttft_slo_s) | {"cross_region_share": _cross(routes)}
     row = {
@@ -536,18 +554,35 @@ def summarize(policy: str, replay: Replay, args: argparse.Namespace) -> dict:
         ],
     }
     if replay.kill:
+        killed = replay.kill
         delta = _minus(replay.at_end.routes, replay.before_kill.routes)
-        met = [ttfts[i] is not None and ttfts[i] <= args.ttft_slo_s for i in after]
+        steady_ttfts: list[float | None] = _ttfts(baseline) if baseline is not None else [None] * len(ttfts)
+        touched = [i for i in after if killed in (replay.requests[i].home, replay.requests[i].ingress)]
+        hurt = [_hurt(ttfts[i], steady_ttfts[i], args.ttft_slo_s) for i in touched]
         row["failover"] = _phase(replay, after, ttfts, args.ttft_slo_s) | {
             "cross_region_share": _cross(delta),
             "routes": _routes_record(delta),
-            "killed": replay.kill,
+            "killed": killed,
             "kill_at_s": kill_at,
             "lost_in_flight": len(lost),
-            "entering_at_killed": sum(1 for i in after if replay.requests[i].ingress == replay.kill),
-            "recovery_s": recovery_s(met, [arrivals[i] for i in after], kill_at, steady["goodput_share"]),
+            "entering_at_killed": sum(1 for i in after if replay.requests[i].ingress == killed),
+            "touched_after_kill": len(touched),
+            "touched_hurt": sum(hurt),
+            "recovery_s": recovery_s(hurt, [arrivals[i] for i in touched], kill_at) if baseline else None,
+            "no_kill": _phase(baseline, after, steady_ttfts, args.ttft_slo_s) if baseline else None,
         }
     return row
+
+
+def _ttfts(replay: Replay) -> list[float | None]:
+    """Trace seconds; None where the request did not complete."""
+    t = replay.scaling.time
+    return [(s.ttft_s + s.client_rtt_s) / t if s.status == 200 else None for s in replay.samples]
+
+
+def _hurt(ttft: float | None, steady: float | None, slo_s: float) -> bool:
+    """Failed or refused, or over the SLO where the run without the kill met it (as the sim)."""
+    return ttft is None or (ttft > slo_s and steady is not None and steady <= slo_s)
 
 
 _LOST = (CONNECTION_LOST, ERROR_EVENT, HUNG)
@@ -611,21 +646,21 @@ def _minus(end: dict[str, dict], start: dict[str, dict]) -> dict[str, dict]:
     }
 
 
-def recovery_s(met: Sequence[bool], arrivals: Sequence[float], kill_at_s: float, steady_share: float) -> float | None:
+def recovery_s(hurt: Sequence[bool], arrivals: Sequence[float], kill_at_s: float) -> float | None:
     """From the kill to the last request of the last bad window (module notes); None: never."""
     window = RECOVERY_WINDOW
-    if len(met) < window:
+    if len(hurt) < window:
         return None
-    floor = steady_share - RECOVERY_TOLERANCE
-    count = sum(met[:window])
-    last_bad = window - 1 if count / window < floor else None
-    for end in range(window, len(met)):
-        count += met[end] - met[end - window]
-        if count / window < floor:
+    bad = int(RECOVERY_HURT_SHARE * window)
+    count = sum(hurt[:window])
+    last_bad = window - 1 if count > bad else None
+    for end in range(window, len(hurt)):
+        count += hurt[end] - hurt[end - window]
+        if count > bad:
             last_bad = end
     if last_bad is None:
         return 0.0
-    if last_bad == len(met) - 1:
+    if last_bad == len(hurt) - 1:
         return None
     return arrivals[last_bad] - kill_at_s
 
@@ -651,18 +686,20 @@ def live_table(results: dict) -> str:
         "| phase | policy | requests | hit | TTFT p50 | TTFT p90 | goodput | good/s | 429 | errors | cross | recovery s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for phase in ("steady", "failover"):
+    for phase in ("steady", "failover", "no kill"):
         for r in results["runs"]:
-            f = r[phase]
+            f = r[phase] if phase != "no kill" else r["failover"].get("no_kill")
             if not f:
                 continue
             recovery = "-"
             if phase == "failover":
                 recovery = "never" if f["recovery_s"] is None else f"{f['recovery_s']:.0f}"
+                recovery = recovery if s["baseline"] else "-"
+            cross = _pct(f.get("cross_region_share"))
             lines.append(
                 f"| {phase} | {r['policy']} | {f['requests']} | {f['cache_hit_ratio']:.3f} | {_ms(f['ttft_p50_s'])} | "
                 f"{_ms(f['ttft_p90_s'])} | {_pct(f['goodput_share'])} | {f['goodput_rps']:.2f} | {f['rejected']} | "
-                f"{f['errors']} | {_pct(f['cross_region_share'])} | {recovery} |"
+                f"{f['errors']} | {cross} | {recovery} |"
             )
     regions = s["regions"]
     lines += [
@@ -686,7 +723,8 @@ def live_table(results: dict) -> str:
             lines.append(
                 f"- {r['policy']}: {f['lost_in_flight']} requests lost in flight on {f['killed']}'s ingress (in neither "
                 f"phase); {f['entering_at_killed']} later ones of its clients sent to the nearest live ingress; "
-                f"{r['hung']} hung; statuses {r['statuses']}"
+                f"{f['touched_after_kill']} requests touched (client or home in {f['killed']}), "
+                f"{f['touched_hurt']} hurt; {r['hung']} hung; statuses {r['statuses']}"
             )
     return "\n".join(lines)
 

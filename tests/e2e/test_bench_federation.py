@@ -40,6 +40,7 @@ def test_bench_federation_live_half_fails_a_killed_regions_clients_over(tmp_path
         "bench",
         "federation",
         "--live-only",
+        "--no-baseline",
         "--trace",
         str(trace),
         "--out",
