@@ -44,12 +44,13 @@ from switchyard.bench.traces import TRACE_BLOCK_SIZE, TraceRequest, hit_ratio_bo
 
 MODEL = "switchyard-sim"
 CONTEXT = 4096  # the bundled sim-tiny model's
+PEERS_AND_SWITCHYARD = "sglang_cache_aware,dynamo_kv,llmd,switchyard"  # the faithful peers beside ours
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, required=True, help="Mooncake JSONL or Azure CSV trace")
     p.add_argument("--format", choices=["mooncake", "azure"], default=None)
-    p.add_argument("--policies", default="switchyard", help="comma-separated; one live stack each")
+    p.add_argument("--policies", default=PEERS_AND_SWITCHYARD, help="comma-separated; one live stack each")
     p.add_argument("--prefill", type=int, default=4, help="prefill workers (as bench sim)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (as bench sim)")
     p.add_argument("--limit", type=int, default=400, help="the first N requests of the trace")

@@ -36,7 +36,7 @@ from switchyard.bench.stats import percentile
 from switchyard.bench.traces import TraceRequest, hit_ratio_bound, lru_hit_ratio, read_trace
 from switchyard.scheduler import SchedulerConfig
 
-DEFAULT_POLICIES = "round_robin,least_requests,least_tokens,prefix,switchyard"
+DEFAULT_POLICIES = "round_robin,least_requests,least_tokens,sglang_cache_aware,dynamo_kv,llmd,llmd_precise,switchyard"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

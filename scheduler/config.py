@@ -31,7 +31,11 @@ class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
     index_max_entries: Annotated[int, setting("(key, worker) pairs the global prefix index keeps", gt=0)] = 1_000_000
     snapshot_retry_s: Annotated[float, setting("a worker whose KV snapshot failed is asked again after", gt=0)] = 1.0
     policy: Annotated[
-        str, setting("prefill placement: round_robin, least_requests, least_tokens, prefix, switchyard")
+        str,
+        setting(
+            "prefill placement: round_robin, least_requests, least_tokens, sglang_cache_aware, dynamo_kv, llmd, "
+            "llmd_precise, switchyard (prefix: an old name of sglang_cache_aware)"
+        ),
     ] = "switchyard"
     fetch_credit: Annotated[
         float, setting("share of recomputing a block that a host/disk/cluster copy saves", ge=0.0, le=1.0)

@@ -82,7 +82,7 @@ def test_one_request_takes_exactly_the_modelled_time():
 
 def test_a_shared_prefix_is_served_from_the_prefill_workers_cache():
     requests = [TraceRequest(0.0, 1000, 2, (1, 2)), TraceRequest(10.0, 1100, 2, (1, 2, 3))]
-    out = replay(requests, settings("prefix")).outcomes
+    out = replay(requests, settings("sglang_cache_aware")).outcomes
     assert out.cached == [0, 1024]
     assert out.first_token[1] - 10.0 == pytest.approx(COST.iteration_s(COST.chunk_work(1024, 1100), 0, 0))
 
@@ -164,7 +164,8 @@ def run_sim(trace, out, *extra: str) -> list[dict]:
 
 def test_same_trace_and_seed_give_an_identical_results_json(tmp_path):
     trace = write_trace(tmp_path / "chat.jsonl", conversations())
-    flags = ("--policies", "round_robin,prefix,switchyard", "--prefill", "2", "--seed", "7", "--cache-blocks", "6")
+    flags = ("--policies", "round_robin,sglang_cache_aware,dynamo_kv,llmd,switchyard", "--prefill", "2", "--seed", "7")
+    flags += ("--cache-blocks", "6")
     run_sim(trace, tmp_path / "a", *flags)
     run_sim(trace, tmp_path / "b", *flags)
     assert (tmp_path / "a" / "results.json").read_bytes() == (tmp_path / "b" / "results.json").read_bytes()

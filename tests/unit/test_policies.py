@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import WorkerMatch
-from switchyard.scheduler.policies import POLICIES, PlacementView, Prefix, Switchyard, decode_cost, make_policy
+from switchyard.scheduler.policies import (
+    POLICIES,
+    BlockLru,
+    DynamoKv,
+    Llmd,
+    LlmdPrecise,
+    PlacementView,
+    SglangCacheAware,
+    Switchyard,
+    decode_cost,
+    make_policy,
+)
 from switchyard.scheduler.state import Tracked, WorkerState
 from tests.support.factories import make_spec
 
@@ -33,7 +46,18 @@ def view(matches: dict[str, tuple[int, int]] | None = None, credit: float = 0.8,
 
 
 def test_registry_names_and_unknown_policy() -> None:
-    assert set(POLICIES) == {"round_robin", "least_requests", "least_tokens", "prefix", "switchyard"}
+    assert set(POLICIES) == {
+        "round_robin",
+        "least_requests",
+        "least_tokens",
+        "sglang_cache_aware",
+        "dynamo_kv",
+        "llmd",
+        "llmd_precise",
+        "prefix",  # the retired straw man's name, kept for old configs
+        "switchyard",
+    }
+    assert isinstance(make_policy("prefix"), SglangCacheAware)
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         make_policy("fastest")
     with pytest.raises(ValueError, match="unknown policy"):
@@ -47,6 +71,10 @@ def test_each_policy_says_whether_it_takes_the_least_of_a_key() -> None:
         "round_robin": False,
         "least_requests": True,
         "least_tokens": True,
+        "sglang_cache_aware": False,
+        "dynamo_kv": False,
+        "llmd": False,
+        "llmd_precise": False,
         "prefix": False,
         "switchyard": True,
     }
@@ -73,17 +101,6 @@ def test_uncached_tokens_credit_device_and_fetchable_blocks() -> None:
     assert view({"a": (100, 100)}).need(w) == 1  # fully cached: still its last token
 
 
-def test_prefix_follows_the_cache_while_balanced() -> None:
-    ws = [worker("a", load=2000, requests=1), worker("b", load=0)]
-    assert Prefix().choose(tracked(), ws, view({"a": (90, 90)})).worker_id == "a"
-    assert Prefix().choose(tracked(), ws, view({"a": (2, 2)})).worker_id == "b"  # under min_match: balance
-
-
-def test_prefix_balances_when_the_cached_worker_is_overloaded() -> None:
-    ws = [worker("a", load=50_000, requests=5), worker("b", load=1000, requests=1)]
-    assert Prefix(balance_abs=4096, balance_rel=1.5).choose(tracked(), ws, view({"a": (100, 100)})).worker_id == "b"
-
-
 def test_switchyard_weighs_cache_queue_and_rate() -> None:
     t = tracked(prompt_len=1600)
     # a: warm but busy; b: cold and idle. a costs (8000 + 0)/10k = 0.8 s, b 1600/10k = 0.16 s.
@@ -106,3 +123,135 @@ def test_decode_cost_prefers_free_capacity_then_fewer_sequences() -> None:
     roomy = worker("a", load=10_000, requests=4, budget=100_000, role="decode")
     tight = worker("b", load=5_000, requests=1, budget=10_000, role="decode")
     assert min([roomy, tight], key=decode_cost).worker_id == "a"
+
+
+# --- the peers' routers --------------------------------------------------------------
+
+
+def same_prompt(tokens: int = 1600, seed: int = 7) -> list[int]:
+    """Token ids fixed by ``seed``: two specs built from it share every block key."""
+    return [(seed * 1_000_003 + i) % 50_000 for i in range(tokens)]
+
+
+def routed(prompt: list[int]) -> Tracked:
+    return Tracked(spec=make_spec(prompt=prompt), enqueued_at=0.0, order=1)
+
+
+def test_block_lru_matches_leading_blocks_and_evicts_tails_first() -> None:
+    lru = BlockLru(capacity_tokens=3 * 16)
+    lru.insert("a", [1, 2, 3, 4], block_size=16)
+    # Touched back to front: the tail (4) is the oldest, so it goes first.
+    assert lru.size("a") == 3 and lru.match("a", [1, 2, 3, 4]) == 3
+    assert lru.match("a", [2, 3]) == 2 and lru.match("a", [9, 1]) == 0 and lru.match("b", [1]) == 0
+
+
+def test_sglang_imbalance_counts_requests_not_tokens() -> None:
+    t = routed(same_prompt())
+    policy = SglangCacheAware()
+    policy.trees.insert("b", t.spec.block_keys, 16)  # b holds the whole prompt
+    # a: one huge request; b: 70 tiny ones. 70 - 1 > 64 and 70 > 1.5 x 1: out of balance,
+    # so the fewest requests win, cache or not (least tokens would pick b).
+    ws = [worker("a", load=90_000, requests=1), worker("b", load=700, requests=70)]
+    assert policy.choose(t, ws, view()).worker_id == "a"
+    assert make_policy("least_tokens").choose(t, ws, view()).worker_id == "b"
+    # 60 tiny ones: 59 <= 64, balanced, and b's tree matches the whole prompt.
+    ws = [worker("a", load=90_000, requests=1), worker("b", load=600, requests=60)]
+    assert SglangCacheAware().choose(t, ws, view()).worker_id == "a"  # a fresh tree: a miss
+    policy = SglangCacheAware()
+    policy.trees.insert("b", t.spec.block_keys, 16)
+    assert policy.choose(t, ws, view()).worker_id == "b"
+
+
+def test_sglang_below_cache_threshold_goes_to_the_smallest_tree() -> None:
+    t = routed(same_prompt())  # 100 blocks
+    ws = [worker("a", load=500, requests=1), worker("b", load=0), worker("c", load=900, requests=2)]
+
+    def policy(leading: int, miss: Literal["smallest_tree", "least_load"] = "smallest_tree") -> SglangCacheAware:
+        p = SglangCacheAware(miss=miss)
+        p.trees.insert("a", t.spec.block_keys[:leading], 16)
+        p.trees.insert("b", make_spec(prompt_len=16 * 40).block_keys, 16)  # 40 other blocks
+        p.trees.insert("c", make_spec(prompt_len=16 * 3).block_keys, 16)  # 3 other blocks
+        return p
+
+    assert policy(31).choose(t, ws, view()).worker_id == "a"  # 31 % of the prompt > 0.3
+    assert policy(30).choose(t, ws, view()).worker_id == "c"  # 30 %: a miss, c's tree is smallest
+    assert policy(30, miss="least_load").choose(t, ws, view()).worker_id == "b"  # newest gateway
+
+
+def test_sglang_inserts_at_routing_time_so_the_same_prompt_follows_before_any_kv_event() -> None:
+    policy, ws = SglangCacheAware(), [worker("a"), worker("b"), worker("c")]
+    policy.trees.insert("a", make_spec(prompt_len=16 * 5).block_keys, 16)
+    first = routed(same_prompt())
+    assert policy.choose(first, ws, view()).worker_id == "b"  # b and c empty: the lower id
+    # No KV event (the view is empty), and b's tree is now the largest: still b.
+    assert policy.choose(routed(same_prompt()), ws, view()).worker_id == "b"
+    assert policy.choose(routed(same_prompt(seed=8)), ws, view()).worker_id == "c"  # a new prompt: smallest tree
+
+
+def test_dynamo_picks_the_lowest_overlap_weighted_cost() -> None:
+    t, policy = tracked(prompt_len=1600), DynamoKv()
+    # Prefill workers (disaggregated): no decode term. a: 800 queued, the prompt cached:
+    # (800 + 0) / 16 = 50 blocks; b: idle, cold: 1600 / 16 = 100.
+    ws = [worker("a", load=800, requests=1), worker("b")]
+    v = view({"a": (100, 100)})
+    assert policy.logit(ws[0], t, v) == 50.0 and policy.logit(ws[1], t, v) == 100.0
+    assert policy.choose(t, ws, v).worker_id == "a"
+    ws = [worker("a", load=2000, requests=1), worker("b")]  # (2000 + 0) / 16 = 125 > 100
+    assert policy.choose(t, ws, v).worker_id == "b"
+    # Fetchable (host) blocks are not cached for Dynamo: only the device tier counts.
+    assert policy.logit(worker("a"), t, view({"a": (0, 100)})) == 100.0
+    # A tie, 150 each ((800 + 1600) / 16 and (1600 + 800) / 16): the lower worker id.
+    ws = [worker("b", load=1600, requests=1), worker("a", load=800, requests=1)]
+    assert policy.choose(t, ws, view({"b": (50, 50)})).worker_id == "a"
+    assert DynamoKv(overlap_weight=2.0).logit(worker("a", load=800, requests=1), t, view()) == 300.0
+
+
+def test_dynamo_counts_active_blocks_on_colocated_workers_only() -> None:
+    policy = DynamoKv()
+    a, b = worker("a", role="both"), worker("b", role="both")
+    r1 = routed(same_prompt())  # 100 blocks
+    assert policy.choose(r1, [a, b], view()).worker_id == "a"  # 100 + 100 each: the lower id
+    a.assign(r1.spec.request_id, 1600)  # what the core does with the placement
+    r2, again = routed(same_prompt(seed=8)), routed(same_prompt())
+    assert policy.decode_blocks(a, r2) == 200  # r1's 100 active + 100 new
+    assert policy.decode_blocks(a, again) == 100  # the same prompt's blocks are counted once
+    # a: (1600 + 1600) / 16 + 200 = 400; b: 100 + 100 = 200.
+    assert policy.choose(r2, [a, b], view()).worker_id == "b"
+    a.release(r1.spec.request_id)  # r1 done: its blocks stop counting at the next decision
+    r3 = routed(same_prompt(seed=9))
+    assert policy.choose(r2, [a], view()).worker_id == "a"  # forgets r1, takes r2
+    assert policy.decode_blocks(a, r3) == 200  # r2's 100 + r3's 100 (with r1 still counted: 300)
+    # Prefill workers: the disaggregated prefill router tracks no active blocks.
+    p = worker("p")
+    assert policy.choose(r1, [p], view()).worker_id == "p" and policy.decode_blocks(p, r2) == 0
+
+
+def test_llmd_weighted_sum_and_max_score_picker() -> None:
+    t = routed(same_prompt())
+    # a: the prompt sent there before, 4 queued, 20 % of its budget; b: idle; c: 2 queued, 10 %.
+    ws = [worker("a", load=20_000, requests=4), worker("b"), worker("c", load=10_000, requests=2)]
+    policy = Llmd()
+    policy.index.insert("a", t.spec.block_keys, 16)
+    # prefix 3 x (1, 0, 0) + queue 2 x (0, 1, 0.5) + kv 2 x (0.8, 1, 0.9)
+    assert policy.scores(t, ws, view()) == pytest.approx({"a": 4.6, "b": 4.0, "c": 2.8})
+    assert policy.choose(t, ws, view()).worker_id == "a"
+    # The precise profile (2, 1, 1), its prefix from KV events: the cache weighs less.
+    precise = LlmdPrecise()
+    assert precise.scores(t, ws, view({"a": (100, 100)})) == pytest.approx({"a": 2.8, "b": 2.0, "c": 1.4})
+    assert precise.scores(t, ws, view({"a": (30, 30), "c": (100, 100)})) == pytest.approx(
+        {"a": 0.8, "b": 2.0, "c": 3.4}
+    )
+    assert precise.choose(t, ws, view({"a": (30, 30), "c": (100, 100)})).worker_id == "c"
+    # Equal scores: the lower worker id (llm-d shuffles).
+    assert Llmd().choose(t, [worker("b"), worker("a")], view()).worker_id == "a"
+
+
+def test_llmd_records_at_routing_time_and_precise_normalises_over_holders() -> None:
+    policy, t = Llmd(), routed(same_prompt())
+    ws = [worker("a"), worker("b")]
+    assert policy.choose(t, ws, view()).worker_id == "a"
+    assert policy.prefix_scores(routed(same_prompt()), ws, view()) == {"a": 1.0, "b": 0.0}
+    precise, three = LlmdPrecise(), [worker("a"), worker("b"), worker("c")]
+    assert precise.prefix_scores(t, three, view({"a": (20, 20), "b": (60, 60)})) == {"a": 0.0, "b": 1.0, "c": 0.0}
+    assert precise.prefix_scores(t, three, view({"a": (20, 20)})) == {"a": 1.0, "b": 0.0, "c": 0.0}
+    assert precise.prefix_scores(t, three, view()) == {"a": 0.0, "b": 0.0, "c": 0.0}
