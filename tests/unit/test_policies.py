@@ -6,6 +6,7 @@ from typing import Literal
 
 import pytest
 
+from switchyard.scheduler import Action, Dispatch, SchedulerCore
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import WorkerMatch
 from switchyard.scheduler.policies import (
@@ -21,11 +22,12 @@ from switchyard.scheduler.policies import (
     make_policy,
 )
 from switchyard.scheduler.state import Tracked, WorkerState
-from tests.support.factories import make_spec
+from switchyard.schemas import DecodeTask, Role
+from tests.support.factories import load_report, make_spec, prefill_done, request_finished
 
 
 def worker(
-    wid: str, load: int = 0, requests: int = 0, rate: float = 10_000.0, budget: int = 100_000, role: str = "prefill"
+    wid: str, load: int = 0, requests: int = 0, rate: float = 10_000.0, budget: int = 100_000, role: Role = "prefill"
 ) -> WorkerState:
     w = WorkerState(worker_id=wid, role=role, token_budget=budget, block_size=16, last_seen=0.0, prefill_rate=rate)
     per = load // max(1, requests)
@@ -255,3 +257,31 @@ def test_llmd_records_at_routing_time_and_precise_normalises_over_holders() -> N
     assert precise.prefix_scores(t, three, view({"a": (20, 20), "b": (60, 60)})) == {"a": 0.0, "b": 1.0, "c": 0.0}
     assert precise.prefix_scores(t, three, view({"a": (20, 20)})) == {"a": 1.0, "b": 0.0, "c": 0.0}
     assert precise.prefix_scores(t, three, view()) == {"a": 0.0, "b": 0.0, "c": 0.0}
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_drives_the_core_until_every_request_is_done(name: str, colocated: bool) -> None:
+    core, now = SchedulerCore(SchedulerConfig(policy=name)), 0.0
+    both: list[Role] = ["both", "both", "both"]
+    split: list[Role] = ["prefill", "prefill", "prefill", "decode"]
+    roles = both if colocated else split
+    for i, role in enumerate(roles):
+        core.on_event(load_report(f"w{i}", role, budget=1_000, seq=1), now)
+    actions: list[Action] = []
+    for i in range(12):  # three prompts, four times each: more than the fleet holds at once
+        actions += core.submit(make_spec(f"r{i}", prompt=same_prompt(320, seed=i % 3)), now)[1]
+    while actions:
+        action = actions.pop(0)
+        if not isinstance(action, Dispatch):
+            continue
+        spec, wid = action.task.spec, action.worker_id
+        if isinstance(action.task, DecodeTask):
+            actions += core.on_event(request_finished(spec, wid), now)
+            continue
+        actions += core.on_event(prefill_done(spec, wid), now)
+        if core.requests[spec.request_id].phase == "decode":  # decodes where it prefilled
+            actions += core.on_event(request_finished(spec, wid), now)
+        core.check_invariants()
+    assert not core.requests
+    assert all(w.load_tokens == 0 and w.kv_tokens == 0 for w in core.workers.values())
