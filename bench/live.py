@@ -271,14 +271,14 @@ def _ms(x: float | None) -> str:
 def _table(rows: list[dict]) -> str:
     lines = [
         "",
-        f"{'policy':<16}{'run':<6}{'done':>6}{'429':>5}{'hit':>7}{'TTFT p50':>11}{'TTFT p90':>11}"
+        f"{'policy':<20}{'run':<6}{'done':>6}{'429':>5}{'hit':>7}{'TTFT p50':>11}{'TTFT p90':>11}"
         f"{'TPOT p50':>11}{'TPOT p90':>11}{'goodput/s':>11}",
     ]
     for row in rows:
         for run_name in ("live", "sim"):
             r = row[run_name]
             lines.append(
-                f"{row['policy']:<16}{run_name:<6}{r['completed']:>6}{r['rejected']:>5}"
+                f"{row['policy']:<20}{run_name:<6}{r['completed']:>6}{r['rejected']:>5}"
                 f"{r['cache_hit_ratio']:>7.3f}{_ms(r['ttft_p50_s']):>11}{_ms(r['ttft_p90_s']):>11}"
                 f"{_ms(r['tpot_p50_s']):>11}{_ms(r['tpot_p90_s']):>11}{r['goodput_rps']:>11.2f}"
             )
