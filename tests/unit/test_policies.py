@@ -9,18 +9,8 @@ import pytest
 from switchyard.scheduler import Action, Dispatch, SchedulerCore
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import WorkerMatch
-from switchyard.scheduler.policies import (
-    POLICIES,
-    BlockLru,
-    DynamoKv,
-    Llmd,
-    LlmdPrecise,
-    PlacementView,
-    SglangCacheAware,
-    Switchyard,
-    decode_cost,
-    make_policy,
-)
+from switchyard.scheduler.peers import BlockLru, DynamoKv, Llmd, LlmdPrecise, SglangCacheAware
+from switchyard.scheduler.policies import POLICIES, PlacementView, Switchyard, decode_cost, make_policy
 from switchyard.scheduler.state import Tracked, WorkerState
 from switchyard.schemas import DecodeTask, Role
 from tests.support.factories import load_report, make_spec, prefill_done, request_finished
