@@ -282,8 +282,12 @@ class Llmd:
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         scores = self.scores(request, candidates, view)
         best = min(candidates, key=lambda w: (-scores[w.worker_id], w.worker_id))
-        self.index.insert(best.worker_id, request.spec.block_keys, view.block_size)
+        self.record(best, request, view)
         return best
+
+    def record(self, worker: WorkerState, request: Tracked, view: PlacementView) -> None:
+        """The approximate index learns at routing time (llm-d's ``PreRequest``)."""
+        self.index.insert(worker.worker_id, request.spec.block_keys, view.block_size)
 
     def scores(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> dict[str, float]:
         prefix, queue = self.prefix_scores(request, candidates, view), queue_scores(candidates)
@@ -314,9 +318,8 @@ class LlmdPrecise(Llmd):
     name: ClassVar[str] = "llmd_precise"
     weights: ClassVar[tuple[float, float, float]] = (2.0, 1.0, 1.0)
 
-    def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
-        scores = self.scores(request, candidates, view)
-        return min(candidates, key=lambda w: (-scores[w.worker_id], w.worker_id))
+    def record(self, worker: WorkerState, request: Tracked, view: PlacementView) -> None:
+        pass  # the index learns from KV events only
 
     def prefix_scores(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> dict[str, float]:
         held = {w.worker_id: view.device_blocks.get(w.worker_id, 0) for w in candidates}
