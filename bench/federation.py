@@ -38,12 +38,21 @@ trace seconds; 429s, errors and lost streams miss it), errors, and the cross-reg
 ``switchyard_region_routes_total{region,reason}``: steady scraped just before the kill,
 failover the survivors' counts after it).
 
-**Recovery time** (live): the requests arriving after the kill, in arrival order, in windows
-of ``RECOVERY_WINDOW``; a window is *bad* when its share meeting the SLO is more than
-``RECOVERY_TOLERANCE`` below the steady share of the same run. Recovery: from the kill to the
-arrival (trace seconds) of the last request of the last bad window; 0 when none is bad;
-``null`` ("never") when the last window is still bad. Simpler than the sim's (which compares
-each request with a steady run of its own): the live half runs each policy once.
+Each policy also runs once **without the kill** (``--no-baseline`` skips it), on fresh regions:
+its second half is the failover phase's reference (the *no kill* rows).
+
+**Recovery time**, as the sim defines it: the requests arriving after the kill whose client or
+whose session's home is the killed region are *touched*; one is *hurt* when it failed, or
+missed the SLO that it met in the run without the kill. Over the touched ones in arrival
+order, a window of ``RECOVERY_WINDOW`` is bad with more than ``RECOVERY_HURT_SHARE`` of it
+hurt; recovery is from the kill to the arrival (trace seconds) of the last request of the last
+bad window; 0 when none is bad; ``null`` ("never") when the last window is still bad. The
+window is smaller than the sim's (20, not 100): the live half has fewer requests.
+
+Time-based settings of the fabric are scaled where they decide a route: the schedulers'
+``--spill-wait-s`` (trace seconds, x time-scale); summaries every
+``--live-summary-interval-s`` and dark after ``--live-dark-after-s`` are live seconds (longer,
+in trace terms, than the sim's: shorter misfires on two loaded cores).
 
 Writes ``<out>/live/results.json``, ``ttft_cdf.png``, ``goodput_hit.png``,
 ``timeline_good.png``, ``timeline_ttft.png`` and ``tables.md`` (both halves' tables, as
@@ -54,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import tempfile
@@ -306,13 +316,17 @@ _ROUTES = re.compile(
 )
 
 
+def routes_from_metrics(text: str) -> dict[tuple[str, str], float]:
+    """An ingress's ``/metrics`` -> {(region, reason): requests routed}."""
+    return {(m["region"], m["reason"]): float(m["n"]) for m in _ROUTES.finditer(text)}
+
+
 async def _scrape(client: httpx.AsyncClient, fleet: LiveRegions) -> Scrape:
     scrape = Scrape()
     for name, region in fleet.regions.items():
         if not region.alive:
             continue
-        text = (await client.get(region.url + "/metrics", timeout=5)).text
-        scrape.routes[name] = {(m["region"], m["reason"]): float(m["n"]) for m in _ROUTES.finditer(text)}
+        scrape.routes[name] = routes_from_metrics((await client.get(region.url + "/metrics", timeout=5)).text)
     return scrape
 
 
@@ -541,7 +555,7 @@ def summarize(policy: str, replay: Replay, args: argparse.Namespace, baseline: R
     before = [i for i, a in enumerate(arrivals) if a < kill_at and i not in lost]
     after = [i for i, a in enumerate(arrivals) if a >= kill_at]
     routes = replay.before_kill.routes if replay.kill else replay.at_end.routes
-    steady = _phase(replay, before, ttfts, args.ttft_slo_s) | {"cross_region_share": _cross(routes)}
+    steady = _phase(replay, before, ttfts, args.ttft_slo_s) | {"cross_region_share": cross_share(routes)}
     row = {
         "policy": policy,
         "steady": steady | {"routes": _routes_record(routes)},
@@ -560,7 +574,7 @@ def summarize(policy: str, replay: Replay, args: argparse.Namespace, baseline: R
         touched = [i for i in after if killed in (replay.requests[i].home, replay.requests[i].ingress)]
         hurt = [_hurt(ttfts[i], steady_ttfts[i], args.ttft_slo_s) for i in touched]
         row["failover"] = _phase(replay, after, ttfts, args.ttft_slo_s) | {
-            "cross_region_share": _cross(delta),
+            "cross_region_share": cross_share(delta),
             "routes": _routes_record(delta),
             "killed": killed,
             "kill_at_s": kill_at,
@@ -571,6 +585,8 @@ def summarize(policy: str, replay: Replay, args: argparse.Namespace, baseline: R
             "recovery_s": recovery_s(hurt, [arrivals[i] for i in touched], kill_at) if baseline else None,
             "no_kill": _phase(baseline, after, steady_ttfts, args.ttft_slo_s) if baseline else None,
         }
+        if baseline is not None:
+            row["no_kill_ttft_s"] = steady_ttfts  # by request, as "samples"
     return row
 
 
@@ -633,7 +649,8 @@ def _ingress_share(replay: Replay, indices: list[int], ttfts: list[float | None]
     }
 
 
-def _cross(routes: dict[str, dict[tuple[str, str], float]]) -> float | None:
+def cross_share(routes: dict[str, dict[tuple[str, str], float]]) -> float | None:
+    """Routes to another region / all routes; ``routes``: ingress -> its ``routes_from_metrics``."""
     total = sum(n for counts in routes.values() for n in counts.values())
     cross = sum(n for ingress, counts in routes.items() for (region, _), n in counts.items() if region != ingress)
     return cross / total if total else None
@@ -790,28 +807,37 @@ def plot(results: dict, out: Path) -> None:
     _timelines(results, out)
 
 
+def _by_bucket(
+    arrivals: list[float], ttfts: list[float | None], bucket: float
+) -> tuple[list[float], list[list[float | None]]]:
+    buckets: dict[int, list[float | None]] = {}
+    for a, t in zip(arrivals, ttfts, strict=True):
+        buckets.setdefault(int(a // bucket), []).append(t)
+    keys = sorted(buckets)
+    return [k * bucket for k in keys], [buckets[k] for k in keys]
+
+
 def _timelines(results: dict, out: Path) -> None:
     """Per bucket of arrivals (one live second): requests meeting the SLO, and TTFT p50."""
     s = results["settings"]
     bucket = 1.0 / s["time_scale"]  # trace seconds per live second
     good_fig, good_ax = plots.figure()
     ttft_fig, ttft_ax = plots.figure()
+    slo = s["ttft_slo_s"]
     for r in results["runs"]:
-        buckets: dict[int, list] = {}
-        for x in r["samples"]:
-            buckets.setdefault(int(x["arrival_s"] // bucket), []).append(x["ttft_s"])
-        keys = sorted(buckets)
-        xs = [k * bucket for k in keys]
-        good_ax.plot(
-            xs,
-            [sum(1 for t in buckets[k] if t is not None and t <= s["ttft_slo_s"]) / bucket for k in keys],
-            label=r["policy"],
-        )
-        ttft_ax.plot(
-            xs,
-            [percentile([t for t in buckets[k] if t is not None], 50) or float("nan") for k in keys],
-            label=r["policy"],
-        )
+        arrivals = [x["arrival_s"] for x in r["samples"]]
+        runs = [("", [x["ttft_s"] for x in r["samples"]], "-")]
+        if r.get("no_kill_ttft_s"):
+            runs.append((", no kill", r["no_kill_ttft_s"], "--"))
+        color = None
+        for suffix, ttfts, style in runs:
+            xs, series = _by_bucket(arrivals, ttfts, bucket)
+            label = r["policy"] + suffix
+            good = [sum(1 for t in ts if t is not None and t <= slo) / bucket for ts in series]
+            (line,) = good_ax.plot(xs, good, style, label=label, color=color)
+            color = line.get_color()
+            p50 = [percentile([t for t in ts if t is not None], 50) or math.nan for ts in series]
+            ttft_ax.plot(xs, p50, style, label=label, color=color)
     for ax in (good_ax, ttft_ax):
         if s["kill"]:
             ax.axvline(s["kill_at_s"], color="k", linestyle=":", label=f"{s['kill']} killed")
@@ -844,4 +870,15 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["LiveRegions", "Replay", "add_arguments", "recovery_s", "run", "run_live", "summarize", "write_tables"]
+__all__ = [
+    "LiveRegions",
+    "Replay",
+    "add_arguments",
+    "cross_share",
+    "recovery_s",
+    "routes_from_metrics",
+    "run",
+    "run_live",
+    "summarize",
+    "write_tables",
+]
