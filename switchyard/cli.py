@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from switchyard.bench import batch, chaos, federation, kv, live, overhead, sim
+    from switchyard.bench import batch, chaos, federation, kv, live, overhead, scheduler_bench, sim
 
     for name, module, help_ in (
         ("overhead", overhead, "what the fabric adds: TTFT, stream throughput, memory"),
@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("chaos", chaos, "kill workers, the active scheduler and nats-server under load; compare every output"),
         ("batch", batch, "an interactive trace alone, then beside a large batch: does the batch fill only troughs?"),
         ("federation", federation, "regions over a NATS supercluster: region policies, one region killed; sim and live"),
+        ("scheduler", scheduler_bench, "the decision core alone at 1,000 workers: decisions/s, p99, index bytes"),
     ):
         module.add_arguments(bench_sub.add_parser(name, help=help_))
     return parser
