@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import subprocess
 import tempfile
@@ -460,11 +461,14 @@ def run_live(args: argparse.Namespace, log: Callable[[str], None] = print) -> di
         replay = _run_policy(policy, split, scaling, rtts, args, args.kill or None, kill_at_live)
         row = summarize(policy, replay, args, baseline)
         row["wall_s"] = time.monotonic() - started
+        # two cores: another process running beside the bench shows here (and in every figure)
+        row["load_avg_1m_after"] = os.getloadavg()[0]
         rows.append(row)
         after = row["failover"].get("goodput_share")
         log(
             f"  {policy}: steady TTFT p90 {_ms(row['steady']['ttft_p90_s'])} ms, goodput "
-            f"{_pct(row['steady']['goodput_share'])}; after the kill {_pct(after)} ({row['wall_s']:.0f} s wall)"
+            f"{_pct(row['steady']['goodput_share'])}; after the kill {_pct(after)} ({row['wall_s']:.0f} s wall, "
+            f"load average {row['load_avg_1m_after']:.1f})"
         )
     results = {"settings": settings, "runs": rows}
     out = args.out / "live"
