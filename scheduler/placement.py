@@ -74,7 +74,8 @@ class Placer:
         return worker.fits(view.need(worker)) and (worker.role != "both" or worker.kv_room(request.decode_tokens))
 
     def decode(self, request: Tracked, workers: Iterable[WorkerState]) -> WorkerState | None:
-        fitting = [w for w in workers if w.role == "decode" and w.fits(request.decode_tokens)]
+        tokens = request.decode_tokens  # a computed property: once, not once a worker
+        fitting = [w for w in workers if w.role == "decode" and w.fits(tokens)]
         return min(fitting, key=decode_cost) if fitting else None
 
     def _bound(self, fitting: list[WorkerState], bound_worker: str | None, view: PlacementView) -> WorkerState | None:
