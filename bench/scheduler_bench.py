@@ -62,6 +62,7 @@ import hashlib
 import heapq
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -539,7 +540,9 @@ def benchmark(settings: BenchSettings, policies: list[str], log: Callable[[str],
             f"  {policy}: {summary['decisions']} decisions, {summary['decisions_per_s']:.0f}/s, "
             f"digest {summary['digest'][:16]} ({time.perf_counter() - started:.0f} s wall)"
         )
-    return {"settings": asdict(settings), "index": memory, "policies": results}
+    # On a shared machine another process moves every figure: say how busy it was.
+    load = dict(zip(("1m", "5m", "15m"), os.getloadavg(), strict=True))
+    return {"settings": asdict(settings), "index": memory, "policies": results, "load_average": load}
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -627,6 +630,7 @@ def table(results: dict) -> str:
         f"index after the fill: {m['entries']} (block, worker) entries, {m['distinct_blocks']} distinct blocks, "
         f"{m['bytes'] / 2**20:.0f} MiB: {m['bytes_per_entry']:.0f} B/entry, "
         f"{m['bytes_per_distinct_block']:.0f} B/distinct block (approx_bytes {m['approx_bytes'] / 2**20:.0f} MiB)",
+        f"load average over the run: {results['load_average']['5m']:.2f} (5 min), on {os.cpu_count()} cores",
         "",
         "| policy | decisions/s | decide only/s | submit p50 ms | submit p99 ms | event p99 ms "
         "| KV blocks/s | hit ratio | digest |",

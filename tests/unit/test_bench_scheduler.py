@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from switchyard.bench.scheduler_bench import BenchSettings, Workload, benchmark, check_digests, deep_bytes
+from switchyard.bench.scheduler_bench import BenchSettings, Workload, benchmark, check_digests, deep_bytes, table
 from switchyard.cli import build_parser
 
 TINY = BenchSettings(prefill=6, decode=2, entries=3_000, requests=200, warmup=50, conversations=200)
@@ -32,6 +32,8 @@ def test_results_have_every_figure_per_policy() -> None:
         assert r["placements"] == 2 * (TINY.requests + TINY.warmup)
         assert set(r["by_method"]) >= {"submit", "on_event", "on_kv_events", "tick"}
     json.dumps(results)  # what results.json holds
+    printed = table(results)
+    assert all(f"| {policy} |" in printed for policy in POLICIES)
 
 
 def test_a_seed_fixes_the_placements() -> None:
