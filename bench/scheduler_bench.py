@@ -17,15 +17,16 @@ One process, no bus: the real ``SchedulerCore`` driven in virtual time, as
    untimed ones) arrive, Poisson, at ``--rate-per-worker`` per prefill worker; the core
    places them; each prefill ends after the cost model's time for its uncached tokens,
    its worker publishes the blocks it computed and evicted (a ``KvEventBatch``) and then
-   its ``PrefillDone``; the decode ends ``--decode-s-per-token`` per output token later
-   with a ``RequestFinished``. ``tick`` runs every ``--tick-s``.
+   its ``PrefillDone``; the decode ends ``decode_s_per_token`` (25 ms) per output token
+   later with a ``RequestFinished``. ``tick`` runs every ``tick_s`` (0.1 s).
 
-The workload (``Workload``): ``--system-prompts`` shared system prompts of 1-6 blocks
-(Zipf-popular), then a conversation: a new one (share ``--new-share``) brings 4-28 new
-blocks, a later turn extends its conversation's prefix by 1-4 blocks; at most 8 turns.
+The workload (``Workload``; un-flagged knobs are ``BenchSettings`` fields): 32
+``system_prompts`` of 1-6 blocks (Zipf-popular), then a conversation: a new one (a
+``new_share`` of 0.5) brings 4-28 new blocks, a later turn extends its conversation's
+prefix by 1-4 blocks; at most 8 turns.
 Blocks are 512 tokens, as in the Mooncake trace, and a request's shape is close to it:
 that trace averages 24 blocks a request of which 15 were never seen before; this one
-averages about 23 of which about 9 miss every cache (the figures of a run are printed).
+averages about 22 of which about 9 were never seen before.
 
 KV events beside the requests: each prefill publishes its computed blocks and the ones
 it evicted for them, as a vLLM worker does. At the default 0.5 requests/s per prefill
