@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("kv", kv, "vllm: TTFT with the prefix loaded from LMCache/Mooncake vs recomputed, and raw Mooncake"),
         ("chaos", chaos, "kill workers, the active scheduler and nats-server under load; compare every output"),
         ("batch", batch, "an interactive trace alone, then beside a large batch: does the batch fill only troughs?"),
-        ("federation", federation, "regions over a NATS supercluster: region policies, one region killed; sim and live"),
+        ("federation", federation, "region policies side by side, one region killed halfway; simulated and live"),
         ("scheduler", scheduler_bench, "the decision core alone at 1,000 workers: decisions/s, p99, index bytes"),
     ):
         module.add_arguments(bench_sub.add_parser(name, help=help_))
