@@ -255,7 +255,12 @@ class _Walk:
         if self.shared:
             self._end_shared_run(i, holders)
         else:
-            self.own = self._keep(self.own, holders, OWN, i, self.blocks)
+            # Not in the cluster tier, so no holder has it there only (``_cluster`` counts every
+            # holder with the cluster bit): holding it at all is holding it on an own tier, and
+            # the workers still matching are an intersection, done in C, not a loop in Python.
+            kept = self.own & holders.keys()
+            self.blocks.update((w, i) for w in self.own - kept)
+            self.own = kept
         return bool(self.own)
 
     def _step_device(self, i: int, holders: dict[str, int]) -> None:
@@ -267,13 +272,14 @@ class _Walk:
     def _end_shared_run(self, i: int, holders: dict[str, int]) -> None:
         """Key ``i`` is the first outside the cluster tier: from here, only its own holders go on."""
         self.shared = False
-        self.own = {w for w, bits in holders.items() if bits & OWN and w in self.wanted}
+        self.own = holders.keys() & self.wanted  # every holder has it on an own tier (see ``step``)
         if i > 0:  # the others matched the cluster run only
             self.blocks.update((w, i) for w in self.wanted if w not in self.own)
 
     @staticmethod
     def _keep(workers: set[str], holders: dict[str, int], bits: int, i: int, stopped: dict[str, int]) -> set[str]:
-        kept = {w for w in workers if holders.get(w, 0) & bits}
+        held = holders.get  # bound once: this loop runs once a worker still matching, a block
+        kept = {w for w in workers if held(w, 0) & bits}
         stopped.update((w, i) for w in workers - kept)
         return kept
 
