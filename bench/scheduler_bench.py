@@ -45,7 +45,8 @@ Measured (``time.perf_counter`` around every core call; only the timed phase cou
 - Index memory after the fill: a ``sys.getsizeof`` walk of every object reachable from
   the ``PrefixIndex`` (``gc.get_referents``, each object once; types, modules and
   functions excluded), so it follows whatever structure the index uses. Divided by
-  (block, worker) entries and by distinct blocks. ``approx_bytes()`` beside it.
+  (block, worker) entries and by distinct blocks. ``approx_bytes()`` beside it; and the
+  index lookup alone (``match_counts``), timed on 2,000 more prompts after the timed phase.
 
 A seeded run places identically every time: every dispatch (request, worker, kind) is
 hashed into ``digest``; ``--check-digest FILE`` compares with a previous
@@ -520,12 +521,29 @@ def index_memory(bench: Bench) -> dict:
     }
 
 
+LOOKUPS = 2_000
+
+
+def lookup_us(bench: Bench) -> dict:
+    """The index lookup alone (``match_counts``, what every placement starts with), on the
+    workload's next prompts: after the timed phase, so it cannot change a placement."""
+    prompts = [bench.workload.next().keys for _ in range(LOOKUPS)]
+    spent = []
+    for keys in prompts:
+        started = time.perf_counter()
+        bench.core.index.match_counts(keys)
+        spent.append(1e6 * (time.perf_counter() - started))
+    return {"lookup_p50_us": percentile(spent, 50), "lookup_mean_us": sum(spent) / len(spent)}
+
+
 def run_policy(settings: BenchSettings, policy: str, measure_memory: bool = False) -> tuple[dict, dict | None]:
     bench = Bench(settings, policy)
     bench.register()
     fill = bench.fill()
     memory = index_memory(bench) if measure_memory else None
     bench.run()
+    if memory is not None:
+        memory |= lookup_us(bench)
     summary = bench.summary() | {"fill": fill, "index_entries_after": bench.core.index.entries}
     return summary, memory
 
@@ -631,6 +649,7 @@ def table(results: dict) -> str:
         f"index after the fill: {m['entries']} (block, worker) entries, {m['distinct_blocks']} distinct blocks, "
         f"{m['bytes'] / 2**20:.0f} MiB: {m['bytes_per_entry']:.0f} B/entry, "
         f"{m['bytes_per_distinct_block']:.0f} B/distinct block (approx_bytes {m['approx_bytes'] / 2**20:.0f} MiB)",
+        f"index lookup (match_counts) alone: p50 {m['lookup_p50_us']:.0f} us, mean {m['lookup_mean_us']:.0f} us",
         f"load average over the run: {results['load_average']['5m']:.2f} (5 min), on {os.cpu_count()} cores",
         "",
         "| policy | decisions/s | decide only/s | submit p50 ms | submit p99 ms | event p99 ms "
