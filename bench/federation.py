@@ -121,6 +121,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2.0,
         help="the schedulers' spill threshold in trace seconds (the scheduler's default), scaled like every cost",
     )
+    live.add_argument(
+        "--spill-margin-s",
+        type=float,
+        default=0.5,
+        help="the ingresses' geo spill margin in trace seconds (the ingress's default), scaled like every cost",
+    )
     live.add_argument("--no-baseline", action="store_true", help="skip the runs without the kill (no recovery time)")
     live.add_argument("--request-timeout-s", type=float, default=120.0, help="live; a request longer is hung")
 
@@ -503,6 +509,7 @@ def _settings(args, regions, rtts, split, skipped: int, kill_at_trace: float, bo
         "summary_interval_s_live": args.live_summary_interval_s,
         "dark_after_s_live": args.live_dark_after_s,
         "spill_wait_s": args.spill_wait_s,
+        "spill_margin_s": args.spill_margin_s,
         "ttft_slo_s": args.ttft_slo_s,
         "kill": args.kill or None,
         "kill_at_s": kill_at_trace,  # trace seconds (divided by the rate)
@@ -533,6 +540,8 @@ def _run_policy(policy, split, scaling: Scaling, rtts, args, kill: str | None, k
         repr(args.live_dark_after_s),
         "--spill-wait-s",
         repr(args.spill_wait_s * scaling.time),
+        "--region-spill-margin-s",
+        repr(args.spill_margin_s * scaling.time),
         *worker_flags(live_cost(CostModel()), scaling, args.live_cache_blocks),
     ]
     regions = [r.strip() for r in args.regions.split(",") if r.strip()]

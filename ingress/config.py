@@ -48,6 +48,14 @@ class RegionsConfig(ConfigStruct, frozen=True, kw_only=True):
         float, setting("a region silent this long is dropped from routing and its streams here fail over", gt=0)
     ] = 3.0
     ping_interval_s: Annotated[float, setting("how often the round trip to each other region is measured", gt=0)] = 1.0
+    spill_margin_s: Annotated[
+        float,
+        setting(
+            "geo: a request with no session leaves a home that is not saturated when another region would give "
+            "it its first token this much sooner, round trip included",
+            ge=0,
+        ),
+    ] = 0.5
     session_ttl_s: Annotated[float, setting("a session stays in the directory this long after its last use", gt=0)] = (
         600.0
     )

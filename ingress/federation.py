@@ -87,13 +87,14 @@ class Federation:
         *,
         policy: RegionPolicy = "geo",
         dark_after_s: float = 3.0,
+        spill_margin_s: float = 0.5,
         ping_interval_s: float = 1.0,
         session_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.nc = nc
         self.region = region
-        self.router = RegionRouter(region, policy=policy, dark_after_s=dark_after_s)
+        self.router = RegionRouter(region, policy=policy, dark_after_s=dark_after_s, spill_margin_s=spill_margin_s)
         self.directory = SessionDirectory()
         self.ping_interval_s = ping_interval_s
         self.session_ttl_s = session_ttl_s

@@ -126,6 +126,7 @@ class IngressService:
             cfg.region,
             policy=regions.policy,
             dark_after_s=regions.dark_after_s,
+            spill_margin_s=regions.spill_margin_s,
             ping_interval_s=regions.ping_interval_s,
             session_ttl_s=regions.session_ttl_s,
         )

@@ -124,11 +124,24 @@ def test_bound_session_that_recomputes_spills_when_home_is_saturated():
 
 
 def test_unbound_request_spills_only_when_home_is_saturated():
-    r = router(us=1.9, eu=0.0, ap=0.0)
+    r = router(us=0.4, eu=0.0, ap=0.0)  # eu would be 0.37 s sooner: within the margin, home
     assert r.route(4000, None, 1.0).region == "us"
     r.observe(summary("us", seq=2, wait=2.5, saturated=True), 1.0)
     route = r.route(4000, None, 1.0)
     assert (route.region, route.reason) == ("eu", "spill")
+
+
+def test_a_home_not_saturated_is_left_when_another_region_is_sooner_by_the_margin():
+    r = router(us=1.9, eu=0.0, ap=0.0)  # below its threshold, but eu is 1.87 s sooner
+    route = r.route(4000, None, 1.0)
+    assert (route.region, route.reason) == ("eu", "spill")
+    r = router(us=0.6, eu=0.0, ap=0.0)  # 0.57 s sooner: past the 0.5 s margin
+    assert r.route(4000, None, 1.0).region == "eu"
+    r = RegionRouter("us", spill_margin_s=5.0)
+    for name, wait in (("us", 1.9), ("eu", 0.0)):
+        r.observe(summary(name, wait=wait), 0.0)
+    r.measured("eu", 0.03)
+    assert r.route(4000, None, 1.0).region == "us"  # a wide margin: home
 
 
 def test_spill_goes_to_the_lowest_ttft_plus_rtt_open_region():
