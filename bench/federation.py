@@ -69,7 +69,6 @@ import re
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -191,7 +190,7 @@ class LiveRegions:
             spec, (server, relay) = region.local.spec, region.processes
             procs.wait_for_port(spec.host, spec.client_port, 15.0, server)
             procs.wait_for_port(spec.host, spec.gateway.port, 15.0, relay)
-        _wait(lambda: _gateways_not_ready(self.regions), READY_TIMEOUT_S, "gateways")
+        _wait(lambda: wan.not_ready([r.local for r in self.regions.values()]), READY_TIMEOUT_S, "gateways")
         for name, region in self.regions.items():
             command = procs.service_command(
                 "up",
@@ -259,29 +258,6 @@ class LiveRegions:
         procs.stop(ups, timeout_s=20.0)  # each stops its own children
         procs.stop([p for r in self.regions.values() for p in r.processes[:2]])
         self._logs.close()
-
-
-def _gateways_not_ready(regions: dict[str, Region]) -> str:
-    """Until every region's gateways are connected both ways and JetStream has a meta leader
-    (the logic of tests/support/regions.py, which a bench may not import)."""
-    for name, region in regions.items():
-        others = set(regions) - {name}
-        try:
-            gateways = _monitor(region.local, "gatewayz")
-            jetstream = _monitor(region.local, "jsz")
-        except OSError as exc:
-            return f"{name}: {exc}"
-        out, inbound = set(gateways.get("outbound_gateways", {})), set(gateways.get("inbound_gateways", {}))
-        if not others <= out & inbound:
-            return f"{name}: gateways out {sorted(out)}, in {sorted(inbound)}"
-        if not jetstream.get("meta_cluster", {}).get("leader"):
-            return f"{name}: no JetStream meta leader"
-    return ""
-
-
-def _monitor(region: wan.LocalRegion, endpoint: str) -> dict:
-    with urllib.request.urlopen(f"{region.monitor_url}/{endpoint}", timeout=1.0) as response:
-        return json.load(response)
 
 
 def _wait(not_ready, timeout_s: float, what: str) -> None:
@@ -677,22 +653,8 @@ def _minus(end: dict[str, dict], start: dict[str, dict]) -> dict[str, dict]:
 
 
 def recovery_s(hurt: Sequence[bool], arrivals: Sequence[float], kill_at_s: float) -> float | None:
-    """From the kill to the last request of the last bad window (module notes); None: never."""
-    window = RECOVERY_WINDOW
-    if len(hurt) < window:
-        return None
-    bad = int(RECOVERY_HURT_SHARE * window)
-    count = sum(hurt[:window])
-    last_bad = window - 1 if count > bad else None
-    for end in range(window, len(hurt)):
-        count += hurt[end] - hurt[end - window]
-        if count > bad:
-            last_bad = end
-    if last_bad is None:
-        return 0.0
-    if last_bad == len(hurt) - 1:
-        return None
-    return arrivals[last_bad] - kill_at_s
+    """The simulated half's recovery time (module notes), over the live half's window."""
+    return federation_sim.recovery_s(hurt, arrivals, kill_at_s, RECOVERY_WINDOW, RECOVERY_HURT_SHARE)
 
 
 # --- report --------------------------------------------------------------------------------------

@@ -561,12 +561,18 @@ def _hurt(ttft: float | None, steady: float | None, slo_s: float) -> bool:
     return ttft is None or (ttft > slo_s and steady is not None and steady <= slo_s)
 
 
-def recovery_s(hurt: Sequence[bool], arrivals: Sequence[float], kill_at_s: float) -> float | None:
-    """From the kill to the last request of the last bad window (module notes); None: never."""
-    window = RECOVERY_WINDOW
+def recovery_s(
+    hurt: Sequence[bool],
+    arrivals: Sequence[float],
+    kill_at_s: float,
+    window: int = RECOVERY_WINDOW,
+    hurt_share: float = RECOVERY_HURT_SHARE,
+) -> float | None:
+    """From the kill to the last request of the last bad window (module notes); None: never.
+    The live half uses it too, with its own (smaller) window."""
     if len(hurt) < window:
         return None
-    bad = int(RECOVERY_HURT_SHARE * window)
+    bad = int(hurt_share * window)
     count = sum(hurt[:window])
     last_bad = window - 1 if count > bad else None
     for end in range(window, len(hurt)):

@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import math
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from switchyard import nats_config, procs
 from switchyard.nats_config import Address, RegionSpec, check_region_name, parse_address
 from switchyard.settings import ConfigError
 
-__all__ = ["MAX_CHUNKS", "LocalRegion", "Relay", "RttTable", "local_regions"]
+__all__ = ["MAX_CHUNKS", "LocalRegion", "Relay", "RttTable", "local_regions", "not_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -331,3 +332,26 @@ def _free_ports(host: str, count: int) -> Iterator[int]:
         if port not in ports:
             ports.append(port)
     return iter(ports)
+
+
+def not_ready(regions: Sequence[LocalRegion]) -> str:
+    """Why ``regions`` are not ready yet ("" once they are): each one's gateways connected both
+    ways to each of the others, and a JetStream meta leader seen (their monitoring endpoints)."""
+    names = {r.name for r in regions}
+    for region in regions:
+        try:
+            gateways = _monitor(region, "gatewayz")
+            jetstream = _monitor(region, "jsz")
+        except OSError as exc:
+            return f"{region.name}: {exc}"
+        out, inbound = set(gateways.get("outbound_gateways", {})), set(gateways.get("inbound_gateways", {}))
+        if not names - {region.name} <= out & inbound:
+            return f"{region.name}: gateways out {sorted(out)}, in {sorted(inbound)}"
+        if not jetstream.get("meta_cluster", {}).get("leader"):
+            return f"{region.name}: no JetStream meta leader"
+    return ""
+
+
+def _monitor(region: LocalRegion, endpoint: str) -> dict:
+    with urllib.request.urlopen(f"{region.monitor_url}/{endpoint}", timeout=1.0) as response:
+        return json.load(response)

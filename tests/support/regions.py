@@ -24,16 +24,14 @@ port for a leaf node's ``--hub``).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from switchyard import procs
-from switchyard.wan import LocalRegion, RttTable, local_regions
+from switchyard.wan import LocalRegion, RttTable, local_regions, not_ready
 
 READY_TIMEOUT_S = 30.0
 
@@ -98,24 +96,7 @@ class Supercluster:
             raise procs.ProcessError(f"regions not ready within {timeout_s} s: {missing}")
 
     def _not_ready(self, names: Sequence[str]) -> str:
-        for name in names:
-            others = set(names) - {name}
-            try:
-                gateways = _monitor(self.regions[name], "gatewayz")
-                jetstream = _monitor(self.regions[name], "jsz")
-            except OSError as exc:
-                return f"{name}: {exc}"
-            out, inbound = set(gateways.get("outbound_gateways", {})), set(gateways.get("inbound_gateways", {}))
-            if not others <= out & inbound:
-                return f"{name}: gateways out {sorted(out)}, in {sorted(inbound)}"
-            if not jetstream.get("meta_cluster", {}).get("leader"):
-                return f"{name}: no JetStream meta leader"
-        return ""
-
-
-def _monitor(region: LocalRegion, endpoint: str) -> dict:
-    with urllib.request.urlopen(f"{region.monitor_url}/{endpoint}", timeout=1.0) as response:
-        return json.load(response)
+        return not_ready([self.regions[name] for name in names])
 
 
 @contextmanager

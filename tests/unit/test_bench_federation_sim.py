@@ -129,13 +129,12 @@ def test_rtts_need_every_pair():
         parse_rtts("us-eu=0.03,us-ap=0.07", REGIONS)
 
 
-def test_recovery_is_the_end_of_the_last_bad_window(monkeypatch):
-    monkeypatch.setattr("switchyard.bench.federation_sim.RECOVERY_WINDOW", 4)
+def test_recovery_is_the_end_of_the_last_bad_window():
     arrivals = [10.0 + i for i in range(12)]
     hurt = [True, True, False, False, False, False, False, False, False, False, False, False]
-    assert recovery_s(hurt, arrivals, kill_at_s=10.0) == pytest.approx(4.0)  # window 1..4 is the last bad one
-    assert recovery_s([False] * 12, arrivals, 10.0) == 0.0
-    assert recovery_s([False] * 11 + [True], arrivals, 10.0) is None  # still bad at the end
+    assert recovery_s(hurt, arrivals, 10.0, window=4) == pytest.approx(4.0)  # window 1..4 is the last bad one
+    assert recovery_s([False] * 12, arrivals, 10.0, window=4) == 0.0
+    assert recovery_s([False] * 11 + [True], arrivals, 10.0, window=4) is None  # still bad at the end
 
 
 # --- runs -------------------------------------------------------------------------------------------
