@@ -449,7 +449,7 @@ def run_live(args: argparse.Namespace, log: Callable[[str], None] = print) -> di
         after = row["failover"].get("goodput_share")
         log(
             f"  {policy}: steady TTFT p90 {_ms(row['steady']['ttft_p90_s'])} ms, goodput "
-            f"{_pct(row['steady']['goodput_share'])}; after the kill {_pct(after)} ({row['wall_s']:.0f} s wall, "
+            f"{_share(row['steady']['goodput_share'])}; after the kill {_share(after)} ({row['wall_s']:.0f} s wall, "
             f"load average {row['load_avg_1m_after']:.1f})"
         )
     results = {"settings": settings, "runs": rows}
@@ -664,7 +664,7 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
-def _pct(x: float | None) -> str:
+def _share(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
@@ -687,10 +687,10 @@ def live_table(results: dict) -> str:
             if phase == "failover":
                 recovery = "never" if f["recovery_s"] is None else f"{f['recovery_s']:.0f}"
                 recovery = recovery if s["baseline"] else "-"
-            cross = _pct(f.get("cross_region_share"))
+            cross = _share(f.get("cross_region_share"))
             lines.append(
                 f"| {phase} | {r['policy']} | {f['requests']} | {f['cache_hit_ratio']:.3f} | {_ms(f['ttft_p50_s'])} | "
-                f"{_ms(f['ttft_p90_s'])} | {_pct(f['goodput_share'])} | {f['goodput_rps']:.2f} | {f['rejected']} | "
+                f"{_ms(f['ttft_p90_s'])} | {_share(f['goodput_share'])} | {f['goodput_rps']:.2f} | {f['rejected']} | "
                 f"{f['errors']} | {cross} | {recovery} |"
             )
     regions = s["regions"]
@@ -703,7 +703,7 @@ def live_table(results: dict) -> str:
     ]
     for r in results["runs"]:
         cells = " | ".join(
-            f"{_ms(r['steady']['by_ingress'][g]['ttft_p90_s'])} | {_pct(r['steady']['by_ingress'][g]['goodput_share'])}"
+            f"{_ms(r['steady']['by_ingress'][g]['ttft_p90_s'])} | {_share(r['steady']['by_ingress'][g]['goodput_share'])}"
             for g in regions
         )
         lines.append(f"| {r['policy']} | {cells} |")
@@ -740,8 +740,8 @@ def sim_table(results: dict) -> str:
             lines.append(
                 f"| {run_name} | {r['policy']} | {r['cache_hit_ratio']:.3f} | {_ms(r['ttft_p50_s'])} | "
                 f"{_ms(r['ttft_p90_s'])} | {_ms(r['ttft_p99_s'])} | {r['goodput_rps']:.1f} | "
-                f"{_pct(r['goodput_share'])} | {r['rejected']} | {r['failed']} | {r['spills']} | "
-                f"{_pct(r['cross_region_share'])} | {recovery} |"
+                f"{_share(r['goodput_share'])} | {r['rejected']} | {r['failed']} | {r['spills']} | "
+                f"{_share(r['cross_region_share'])} | {recovery} |"
             )
     return "\n".join(lines)
 
