@@ -77,6 +77,7 @@ from typing import Any
 
 from switchyard.bench import plots
 from switchyard.bench.costmodel import CostModel
+from switchyard.bench.sim import parse_policies, positive_int
 from switchyard.bench.stats import percentile
 from switchyard.scheduler import Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
 from switchyard.schemas import (
@@ -573,10 +574,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(bench="scheduler_bench")
     d = BenchSettings()
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated prefill placement policies")
-    p.add_argument("--prefill", type=_positive_int, default=d.prefill, help="prefill workers")
-    p.add_argument("--decode", type=_positive_int, default=d.decode, help="decode workers")
-    p.add_argument("--entries", type=_positive_int, default=d.entries, help="(block, worker) pairs the fill indexes")
-    p.add_argument("--requests", type=_positive_int, default=d.requests, help="timed requests")
+    p.add_argument("--prefill", type=positive_int, default=d.prefill, help="prefill workers")
+    p.add_argument("--decode", type=positive_int, default=d.decode, help="decode workers")
+    p.add_argument("--entries", type=positive_int, default=d.entries, help="(block, worker) pairs the fill indexes")
+    p.add_argument("--requests", type=positive_int, default=d.requests, help="timed requests")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed requests before them")
     p.add_argument(
         "--rate-per-worker",
@@ -584,22 +585,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.rate_per_worker,
         help="virtual arrivals per second per prefill worker (KV churn follows: each prefill publishes its blocks)",
     )
-    p.add_argument("--conversations", type=_positive_int, default=d.conversations, help="conversations kept going")
+    p.add_argument("--conversations", type=positive_int, default=d.conversations, help="conversations kept going")
     p.add_argument("--seed", type=int, default=d.seed, help="the workload's and the arrivals' seed")
     p.add_argument("--out", type=Path, default=Path("bench/results/scheduler"), help="results folder")
     p.add_argument("--check-digest", type=Path, default=None, help="a results.json: exit 1 if placements differ")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
-    from switchyard.bench.sim import parse_policies
-
     policies = parse_policies(args.policies)
     settings = BenchSettings(
         prefill=args.prefill,

@@ -43,13 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, required=True, help="Mooncake JSONL or Azure CSV trace")
     p.add_argument("--format", choices=["mooncake", "azure"], default=None, help="default: from the file")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated prefill placement policies")
-    p.add_argument("--prefill", type=_positive_int, default=4, help="prefill workers (model instances)")
-    p.add_argument("--decode", type=_positive_int, default=2, help="decode workers")
+    p.add_argument("--prefill", type=positive_int, default=4, help="prefill workers (model instances)")
+    p.add_argument("--decode", type=positive_int, default=2, help="decode workers")
     p.add_argument(
         "--colocated", action="store_true", help="prefill+decode workers of role 'both' instead (no disaggregation)"
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/sim"), help="results folder")
-    p.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument(
         "--time-scale",
         type=float,
@@ -70,19 +70,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--prefill-token-budget",
-        type=_positive_int,
+        type=positive_int,
         default=65_536,
         help="uncached tokens a prefill worker may hold in flight (its LoadReport token_budget)",
     )
     p.add_argument(
         "--chunk-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=CostModel().chunk_tokens,
         help="tokens per engine iteration (vLLM max_num_batched_tokens)",
     )
     p.add_argument(
         "--max-queued-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=SchedulerConfig().max_queued_tokens,
         help="the core's admission limit (429 past it)",
     )
@@ -96,7 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-slo-s", type=float, default=0.05, help="goodput: time per output token at most this")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer above 0 (the benches' worker counts and limits)."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
@@ -342,4 +343,4 @@ def plot_cdfs(results: list[dict], out: Path) -> None:
         )
 
 
-__all__ = ["add_arguments", "parse_policies", "run", "summarize", "table"]
+__all__ = ["add_arguments", "parse_policies", "positive_int", "run", "summarize", "table"]
