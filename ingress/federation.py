@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 DIRECTORY_STREAM = subjects.SESSION_DIRECTORY_STREAM
 REGION_HEADER = "x-switchyard-region"  # run the request in this region (a batch runner's lines)
 _PING_TIMEOUT_S = 2.0
+_DIRECTORY_RETRY_S = 1.0
 
 
 def directory_key(tenant: str, session: str) -> str:
@@ -196,16 +197,37 @@ class Federation:
             self._on_new_scheduler(summary.scheduler_id, there)
 
     async def _serve_directory(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """The directory through JetStream (every placement made, then each new one). While
+        JetStream does not answer (a region lost may take its meta leader with it for a few
+        seconds), new placements are heard on the bus, and JetStream is tried again each
+        ``_DIRECTORY_RETRY_S``: the backlog is learned once it answers."""
         js = self.nc.jetstream(timeout=2.0)
-        try:
-            await self._ensure_stream(js)
-            sub = await js.subscribe(
-                subjects.every_fed_session(), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
-            )
-        except Exception as exc:
-            log.warning("session directory without JetStream (%s): placements made before now are unknown", exc)
-            sub = await subscribe(self.nc, subjects.every_fed_session())
-        task_status.started()
+        async with anyio.create_task_group() as tg:
+            bus = None
+            while True:
+                try:
+                    await self._ensure_stream(js)
+                    sub = await js.subscribe(
+                        subjects.every_fed_session(),
+                        ordered_consumer=True,
+                        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                    )
+                    break
+                except Exception as exc:
+                    if bus is None:
+                        log.warning("session directory: JetStream does not answer (%r); hearing new placements", exc)
+                        bus = await subscribe(self.nc, subjects.every_fed_session())
+                        tg.start_soon(self._learn_from, bus)
+                        task_status.started()
+                    await anyio.sleep(_DIRECTORY_RETRY_S)
+            if bus is None:
+                task_status.started()
+            else:
+                await bus.unsubscribe()
+                log.info("session directory: JetStream answers again; reading every placement")
+            await self._learn_from(sub)
+
+    async def _learn_from(self, sub) -> None:
         async for msg in sub.messages:
             try:
                 placement = codec.SESSION_PLACEMENT.decode(msg.data)
