@@ -14,8 +14,8 @@ The directory: each ingress publishes where it placed a session
 regions' placements in its own JetStream stream (``DIRECTORY_STREAM``, the last per
 subject kept), so every region reads the whole directory locally and it survives the loss
 of any one region. An ingress reads it through an ordered consumer that first delivers
-the last entry of every subject, then each new one; without JetStream it hears new
-entries only.
+the last entry of every subject, then each new one; while JetStream does not answer it
+hears new entries on the bus, and tries JetStream again every second.
 
 A region silent for ``dark_after_s`` is dropped from routing; the streams this ingress has
 in flight there fail with ``region_lost``, which a generation continues elsewhere
