@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import anyio
 
@@ -210,18 +210,17 @@ class StreamRouter:
 
     def suspect_all(self, now: float | None = None) -> None:
         """The bus came back: chunks of any stream may have been lost meanwhile."""
-        now = time.monotonic() if now is None else now
-        for inbox in self._inboxes.values():
-            inbox.suspect_since = now
+        _suspect(self._inboxes.values(), time.monotonic() if now is None else now)
 
     def scheduler_changed(self, scheduler_id: str, request_ids: Collection[str] | None = None) -> int:
         """A new scheduler rolled call (or, for ``request_ids`` only, another region's new
         scheduler published its first summary); returns how many queued streams are
         submitted again."""
-        inboxes = [inbox for rid, inbox in self._inboxes.items() if request_ids is None or rid in request_ids]
-        now = time.monotonic()
-        for inbox in inboxes:
-            inbox.suspect_since = now
+        if request_ids is None:
+            inboxes = list(self._inboxes.values())
+        else:
+            inboxes = [self._inboxes[rid] for rid in request_ids if rid in self._inboxes]
+        _suspect(inboxes, time.monotonic())
         queued = [inbox for inbox in inboxes if not inbox.senders]
         for inbox in queued:
             inbox.fail("scheduler_failover", f"scheduler {scheduler_id} took over; it may not know this request")
@@ -276,6 +275,11 @@ class StreamRouter:
             self.expire_idle(idle_s)
             if self.expire_stalled(stall_s):
                 log.warning("streams stalled after the NATS connection came back: continuing them elsewhere")
+
+
+def _suspect(inboxes: Iterable[Inbox], now: float) -> None:
+    for inbox in inboxes:
+        inbox.suspect_since = now
 
 
 class StreamFailed(IngressError):
