@@ -292,7 +292,7 @@ class SchedulerCore:
 
     def region_summary(self, region: str, scheduler_id: str, seq: int, sent_at: float) -> RegionSummary:
         """What this region says of itself to the others (``scheduler.regions``)."""
-        prefill = [w for w in self.workers.values() if w.role != "decode"]
+        prefill, rate = self._prefill_fleet()
         wait = self.predicted_start_s()
         capacity = self.decode_capacity()
         decode_full = self._decode_demand > self.config.decode_overcommit * capacity
@@ -303,7 +303,7 @@ class SchedulerCore:
             seq=seq,
             sent_at=sent_at,
             predicted_wait_s=wait,
-            prefill_tokens_per_s=sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s,
+            prefill_tokens_per_s=rate,
             queued_requests=len(self._queue),
             queued_tokens=self._queue.tokens,
             inflight_tokens=sum(w.load_tokens for w in prefill),
@@ -321,19 +321,22 @@ class SchedulerCore:
         at the whole fleet's rate, then it goes to the worker that frees up first (not the
         fleet's time to work off everything, ``predicted_wait_s``: a region of 100 workers,
         half busy, starts a request at once)."""
-        prefill = [w for w in self.workers.values() if w.role != "decode"]
+        prefill, rate = self._prefill_fleet()
         if not prefill:
             return 0.0
-        rate = sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s
         soonest = min(w.load_tokens / (w.prefill_rate or self.config.default_prefill_tokens_per_s) for w in prefill)
         return self._queue.tokens / rate + soonest
 
     def predicted_wait_s(self) -> float:
         """Time for the prefill fleet to work off what is queued and in flight."""
+        prefill, rate = self._prefill_fleet()
+        return (self._queue.tokens + sum(w.load_tokens for w in prefill)) / rate
+
+    def _prefill_fleet(self) -> tuple[list[WorkerState], float]:
+        """The workers that prefill, and their rate together (the configured default before
+        any is measured)."""
         prefill = [w for w in self.workers.values() if w.role != "decode"]
-        backlog = self._queue.tokens + sum(w.load_tokens for w in prefill)
-        rate = sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s
-        return backlog / rate
+        return prefill, sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s
 
     def check_invariants(self) -> None:
         for worker in self.workers.values():
