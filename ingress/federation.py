@@ -114,7 +114,7 @@ class Federation:
         there, or fails (no other region is tried)."""
         if region != self.region and region not in self.router.regions():
             known = ", ".join(self.router.regions())
-            raise InvalidRequest(f"Unknown region {region!r}; the regions are {known}.", param=REGION_HEADER)
+            raise InvalidRequest(f"Unknown region {region[:64]!r}; the regions are {known}.", param=REGION_HEADER)
         self._pins[request_id] = region
 
     def route(self, spec: RequestSpec, exclude: frozenset[str] = frozenset()) -> Route:
