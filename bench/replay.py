@@ -280,7 +280,9 @@ class Replay:
         if self.outcomes.first_token[i] < 0:  # told just before its PrefillDone
             self.outcomes.served[i] = served
 
-    def _deliver(self, worker_id: str, stream: str, delay: float, now: float, method, message) -> None:
+    def _deliver(
+        self, worker_id: str, stream: str, delay: float, now: float, method: Callable[[Any, float], list], message: Any
+    ) -> None:
         """``method(message)`` on the core, ``delay`` after ``now``, never before what the same
         worker sent earlier on the same stream."""
         if delay <= 0:
