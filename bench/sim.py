@@ -404,21 +404,23 @@ def table(results: list[dict], timings: list[dict]) -> str:
         return f"{x * 1e3:>8.0f}" if x is not None else f"{'-':>8}"
 
     head = (
-        f"{'policy':<20}{'mode':<14}{'hit':>6}{'bound':>6}{'fleet':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+        f"{'policy':<20}{'mode':<14}{'hit':>6}{'h+d':>6}{'bound':>6}{'fleet':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
         f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}{'goodput':>8}{'good%':>6}{'rej':>6}{'wall s':>7}{'dec/s':>8}{'B/blk':>6}"
     )
     lines = [
         "",
         "times in ms; goodput in requests/s meeting the SLOs, good% of all requests (rejected ones miss);",
         "dec/s = core decisions per wall second;",
-        "bound: infinite cache; fleet: one LRU as large as all prefill caches together",
+        "h+d: the part of hit served from host or disk tiers; bound: infinite cache;",
+        "fleet: one LRU as large as all prefill caches together (every tier)",
         head,
     ]
     for r, t in zip(results, timings, strict=True):
         per_block = f"{r['index_bytes_per_block']:>6.0f}" if r["index_bytes_per_block"] else f"{'-':>6}"
         rate = f"{t['decisions_per_s']:>8.0f}" if t["decisions_per_s"] else f"{'-':>8}"
+        off_device = r["cache_hit_ratio_by_tier"]["host"] + r["cache_hit_ratio_by_tier"]["disk"]
         lines.append(
-            f"{r['policy']:<20}{r['mode']:<14}{r['cache_hit_ratio']:>6.3f}{r['hit_ratio_bound']:>6.3f}"
+            f"{r['policy']:<20}{r['mode']:<14}{r['cache_hit_ratio']:>6.3f}{off_device:>6.3f}{r['hit_ratio_bound']:>6.3f}"
             f"{r.get('hit_ratio_bound_fleet_cache', float('nan')):>6.3f}"
             f"{ms(r['ttft_p50_s']):>9}{ms(r['ttft_p90_s'])}{ms(r['ttft_p99_s'])}"
             f"{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p90_s'])}{ms(r['tpot_p99_s'])}"
