@@ -42,8 +42,9 @@ POINT_KEYS = (
     "ttft_p90_s",
     "tpot_p90_s",
     "cache_hit_ratio",
+    "completed",  # counts of requests; completed_fraction too
     "rejected",
-    "failed",
+    "failed",  # streams the core failed (FailStream; one shedding load fails them "overloaded")
     "unfinished",
 )
 
@@ -93,6 +94,7 @@ def point(settings: ReplaySettings, requests: list[TraceRequest] | None = None) 
         "time_scale": settings.time_scale,
         "offered_rps": len(requests) / summary["trace_span_s"],
         **{key: summary[key] for key in POINT_KEYS},
+        "completed_fraction": summary["completed"] / len(requests) if requests else 0.0,
         "wall_s": time.perf_counter() - started,  # dropped from sweep.json: it varies
     }
 
@@ -163,7 +165,7 @@ def table(record: dict) -> str:
 
     head = (
         f"{'policy':<20}{'scale':>6}{'offered':>9}{'goodput':>9}{'good%':>7}{'TTFT p50':>9}{'p90':>9}"
-        f"{'TPOT p90':>9}{'hit':>7}{'rej':>6}"
+        f"{'TPOT p90':>9}{'hit':>7}{'rej':>6}{'fail':>6}"
     )
     lines = ["", "loads and goodput in requests/s; times in ms; good% of all requests (rejected ones miss)", head]
     for policy, entry in record["policies"].items():
@@ -171,7 +173,7 @@ def table(record: dict) -> str:
             lines.append(
                 f"{policy:<20}{p['time_scale']:>6g}{p['offered_rps']:>9.2f}{p['goodput_rps']:>9.2f}"
                 f"{p['goodput_fraction']:>7.1%}{ms(p['ttft_p50_s'])}{ms(p['ttft_p90_s'])}{ms(p['tpot_p90_s'])}"
-                f"{p['cache_hit_ratio']:>7.3f}{p['rejected']:>6}"
+                f"{p['cache_hit_ratio']:>7.3f}{p['rejected']:>6}{p['failed']:>6}"
             )
     lines += ["", f"saturation: peak = load of the highest goodput; knee = last load with good% >= {KNEE_SHARE:.0%}"]
     lines.append("of the lightest load's")
