@@ -7,6 +7,8 @@ sits between two markers and is rewritten from a run's files, never edited by ha
     <!-- bench-sim:end mooncake-colocated -->
     <!-- bench-sim:begin mooncake-1000-workers:timing --> the core's wall-clock cost (timing.json)
     <!-- bench-sim:end mooncake-1000-workers:timing -->
+    <!-- bench-sim:begin matrix -->                      a folder with a matrix.json (bench matrix):
+    <!-- bench-sim:end matrix -->                        switchyard against the best peer, per case
 
 A name is a run: the folder ``switchyard bench sim --out`` wrote (which also holds these
 tables, ``tables.md``). The doc's runs are kept, less each worker's utilisation (one entry a
@@ -14,10 +16,13 @@ worker, 1,000 of them in the largest run), in ``docs/bench-sim.results.json``, s
 can check that the doc says exactly what those results say:
 
     switchyard bench sim ... --out bench/results/sim/NAME           # each run the doc names
+    switchyard bench matrix --out bench/results/sim/matrix          # the matrix run
     python -m switchyard.bench.simdoc --runs bench/results/sim      # keep them, rewrite the doc
     python -m switchyard.bench.simdoc --check                       # exit 1 if the doc differs
 
-The policy tables hold virtual-time figures only, so rerunning a documented command gives the
+``--runs`` reads each run from its folder there; a run with no folder keeps its kept results
+(said so), so one run can be redone without the others. The policy tables hold virtual-time
+figures only, so rerunning a documented command gives the
 same table byte for byte; wall-clock figures vary from run to run and appear only in the
 ``:timing`` tables, as one recorded run.
 """
@@ -117,6 +122,84 @@ def _caption(r: dict) -> str:
     return "; ".join(parts) + "."
 
 
+def matrix_table(matrix: dict) -> str:
+    """From a ``matrix.json``: per case, switchyard against the best peer; then every policy's
+    peak and lightest point."""
+    head = (
+        "| case | requests | best peer | peak goodput req/s | ratio | peak load req/s "
+        "| at the peer's peak: goodput req/s | TTFT p90 ms | own peaks: TTFT p90 ms "
+        "| light-load best peer | light goodput req/s | light TTFT p90 ms |"
+    )
+    lines = [
+        f"switchyard / the best peer ({', '.join(matrix['peers'])}, by peak goodput; at light load, by goodput "
+        "at the lightest point). Ratio: switchyard's peak goodput over the peer's.",
+        "",
+        head,
+        "|---" * head.count(" |") + "|",
+    ]
+    for name, case in matrix["cases"].items():
+        c = case["comparison"]
+        if c is None:
+            continue
+        lines.append(f"| {' | '.join(_matrix_cells(name, case, c))} |")
+    return "\n".join([*lines, "", *_matrix_policy_rows(matrix)])
+
+
+def _matrix_cells(name: str, case: dict, c: dict) -> list[str]:
+    return [
+        f"`{name}`",
+        f"{case['requests']:,}",
+        c["best_peer"],
+        _pair(c["peak_goodput_rps"], _rps),
+        "-" if c["goodput_ratio"] is None else f"{c['goodput_ratio']:.2f}",
+        _pair(c["peak_offered_rps"], _rps),
+        _pair(c["at_peer_peak_goodput_rps"], _rps),
+        _pair(c["at_peer_peak_ttft_p90_s"], _ms),
+        f"{_ms(c['own_peak_ttft_p90_s']['ours'])} / {_ms(c['best_peer_own_peak_ttft_p90_s'])}",
+        c["light_best_peer"],
+        _pair(c["light_goodput_rps"], _rps),
+        _pair(c["light_ttft_p90_s"], _ms),
+    ]
+
+
+def _matrix_policy_rows(matrix: dict) -> list[str]:
+    head = (
+        "| case | policy | peak load req/s | peak goodput req/s | goodput % | completed % | TTFT p90 ms "
+        "| light load req/s | light goodput req/s | light TTFT p90 ms |"
+    )
+    lines = [
+        "Every policy at its peak (* : at the sweep's heaviest load, not saturated within it) and at "
+        "the lightest load:",
+        "",
+        head,
+        "|---" * head.count(" |") + "|",
+    ]
+    for name, case in matrix["cases"].items():
+        for policy, s in case["policies"].items():
+            cells = [
+                f"`{name}`",
+                policy,
+                f"{s['peak_offered_rps']:.2f}{'' if s['saturated'] else ' *'}",
+                _rps(s["peak_goodput_rps"]),
+                f"{s['peak_goodput_fraction']:.1%}".replace("%", ""),
+                f"{s['peak_completed_fraction']:.1%}".replace("%", ""),
+                _ms(s["peak_ttft_p90_s"]),
+                _rps(s["light_offered_rps"]),
+                _rps(s["light_goodput_rps"]),
+                _ms(s["light_ttft_p90_s"]),
+            ]
+            lines.append(f"| {' | '.join(cells)} |")
+    return lines
+
+
+def _pair(d: dict, fmt) -> str:
+    return f"{fmt(d['ours'])} / {fmt(d['peer'])}"
+
+
+def _rps(x: float) -> str:
+    return f"{x:.2f}"
+
+
 def _tier_blocks(fleet: dict) -> int:
     """Host and disk blocks a worker of this fleet has (0 for runs from before tiers)."""
     return fleet.get("host_cache_blocks", 0) + fleet.get("disk_cache_blocks", 0)
@@ -152,7 +235,10 @@ def run_names(doc: str) -> list[str]:
 
 
 def read_run(folder: Path) -> dict:
-    """A run as the doc keeps it: its results less per-worker utilisation, and its timing."""
+    """A run as the doc keeps it: its results less per-worker utilisation, and its timing;
+    or, for a ``bench matrix`` folder, its ``matrix.json``."""
+    if (folder / "matrix.json").exists():
+        return {"matrix": json.loads((folder / "matrix.json").read_text())}
     results = json.loads((folder / "results.json").read_text())
     timing = json.loads((folder / "timing.json").read_text())
     return {"results": [{k: v for k, v in r.items() if k != "utilisation"} for r in results], "timing": timing}
@@ -163,6 +249,8 @@ def _block(name: str, runs: dict[str, dict]) -> str:
     if run not in runs:
         raise DocError(f"no results for run {run!r} (marker {name!r})")
     match kind:
+        case "" if "matrix" in runs[run]:
+            body = matrix_table(runs[run]["matrix"])
         case "":
             body = policy_table(runs[run]["results"])
         case "timing":
@@ -175,6 +263,19 @@ def _block(name: str, runs: dict[str, dict]) -> str:
 # --- the command ----------------------------------------------------------------------------------
 
 
+def _runs(folder: Path, names: list[str], kept_path: Path) -> dict[str, dict]:
+    """Each named run from ``folder/NAME``; one without a folder there from the kept results."""
+    kept = json.loads(kept_path.read_text()) if kept_path.exists() else {}
+    runs = {}
+    for name in names:
+        if (folder / name).is_dir() or name not in kept:
+            runs[name] = read_run(folder / name)
+        else:
+            print(f"{folder / name}: no such run; keeping {name!r} from {kept_path}")
+            runs[name] = kept[name]
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m switchyard.bench.simdoc", description=__doc__.split("\n\n")[0])
     p.add_argument("--doc", type=Path, default=DOC)
@@ -184,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     doc = args.doc.read_text()
     if args.runs is not None:
-        runs = {name: read_run(args.runs / name) for name in run_names(doc)}
+        runs = _runs(args.runs, run_names(doc), args.results)
         if not args.check:
             args.results.write_text(json.dumps(runs, indent=1) + "\n")
     else:
@@ -200,7 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DocError", "main", "policy_table", "read_run", "rewrite", "run_names", "tables", "timing_table"]
+__all__ = [
+    "DocError",
+    "main",
+    "matrix_table",
+    "policy_table",
+    "read_run",
+    "rewrite",
+    "run_names",
+    "tables",
+    "timing_table",
+]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -157,3 +157,70 @@ def test_the_committed_doc_is_what_the_committed_results_give():
     runs = json.loads((ROOT / simdoc.RESULTS).read_text())
     assert simdoc.run_names(doc) == list(runs), "the kept runs are exactly the doc's"
     assert simdoc.rewrite(doc, runs) == doc, "run: python -m switchyard.bench.simdoc --runs bench/results/sim"
+
+
+def matrix_run() -> dict:
+    """A hand-made matrix.json of one case, only the fields the table reads."""
+
+    def policy(load: float, goodput: float, saturated: bool = True) -> dict:
+        return {
+            "peak_offered_rps": load,
+            "peak_goodput_rps": goodput,
+            "saturated": saturated,
+            "peak_goodput_fraction": 0.6543,
+            "peak_completed_fraction": 0.9,
+            "peak_ttft_p90_s": 1.2345,
+            "light_offered_rps": 0.85,
+            "light_goodput_rps": 0.7,
+            "light_ttft_p90_s": 0.5,
+        }
+
+    comparison = {
+        "best_peer": "dynamo_kv",
+        "goodput_ratio": 1.3333,
+        "peak_goodput_rps": {"ours": 2.4, "peer": 1.8},
+        "peak_offered_rps": {"ours": 4.25, "peer": 3.4},
+        "at_peer_peak_goodput_rps": {"ours": 2.2, "peer": 1.8},
+        "at_peer_peak_ttft_p90_s": {"ours": 0.9, "peer": 1.2345},
+        "own_peak_ttft_p90_s": {"ours": 1.1, "peer": 1.2345},
+        "best_peer_own_peak_ttft_p90_s": 1.0,
+        "light_best_peer": "llmd",
+        "light_goodput_rps": {"ours": 0.7, "peer": 0.71},
+        "light_ttft_p90_s": {"ours": 0.5, "peer": None},
+    }
+    case = {
+        "requests": 12031,
+        "policies": {"dynamo_kv": policy(3.4, 1.8), "switchyard": policy(4.25, 2.4, saturated=False)},
+        "comparison": comparison,
+    }
+    return {"matrix": {"peers": ["dynamo_kv", "llmd"], "ours": "switchyard", "cases": {"mooncake-6p2d-device": case}}}
+
+
+def test_a_matrix_json_becomes_the_comparison_and_per_policy_tables():
+    table = simdoc.rewrite("<!-- bench-sim:begin matrix -->\n<!-- bench-sim:end matrix -->", {"matrix": matrix_run()})
+    lines = table.split("\n")
+    assert lines[1].startswith("switchyard / the best peer (dynamo_kv, llmd, by peak goodput;")
+    row = "| `mooncake-6p2d-device` | 12,031 | dynamo_kv | 2.40 / 1.80 | 1.33 | 4.25 / 3.40 | 2.20 / 1.80 | 900 / 1234 "
+    row += "| 1100 / 1000 | llmd | 0.70 / 0.71 | 500 / - |"
+    assert lines[5] == row
+    assert "| `mooncake-6p2d-device` | dynamo_kv | 3.40 | 1.80 | 65.4 | 90.0 | 1234 | 0.85 | 0.70 | 500 |" in lines
+    assert "| `mooncake-6p2d-device` | switchyard | 4.25 * | 2.40 | 65.4 | 90.0 | 1234 | 0.85 | 0.70 | 500 |" in lines
+
+
+def test_the_command_reads_a_matrix_folder_and_keeps_runs_it_has_no_folder_for(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    (runs / "matrix").mkdir(parents=True)
+    (runs / "matrix" / "matrix.json").write_text(json.dumps(matrix_run()["matrix"]))
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "<!-- bench-sim:begin demo -->\n<!-- bench-sim:end demo -->\n"
+        "<!-- bench-sim:begin matrix -->\n<!-- bench-sim:end matrix -->\n"
+    )
+    kept = tmp_path / "doc.results.json"
+    kept.write_text(json.dumps({"demo": RUN}))
+    paths = ["--doc", str(doc), "--results", str(kept)]
+    assert simdoc.main([*paths, "--runs", str(runs)]) == 0
+    assert "keeping 'demo'" in capsys.readouterr().out
+    assert json.loads(kept.read_text()) == {"demo": RUN, "matrix": matrix_run()}
+    assert POLICY_TABLE in doc.read_text() and "| `mooncake-6p2d-device` | switchyard | 4.25 * |" in doc.read_text()
+    assert simdoc.main([*paths, "--check"]) == 0
