@@ -48,7 +48,7 @@ Design: no Python object per key
   extensions and the LRU drops leaves first: a key whose parent is gone can never be
   matched again, so keeping it would waste the bound.
 - Forgetting, clearing or re-snapshotting a worker sweeps the table's holder column
-  (numpy, a few ms at 2M slots) and the multi-holder keys (Python): rare events, so no
+  (numpy, about 1 ms at 2M slots) and the multi-holder keys (Python): rare events, so no
   per-worker key set is kept.
 - Keys outside ``[0, 2**64)`` (no block hash is) are never stored, so never matched.
 
@@ -58,8 +58,8 @@ goes from 70% to 35%, plus about 170 for a key several workers hold (its four ma
 list, the key as an int, a dict entry; more for masks of hundreds of workers). The
 bench's fleet (750 prefill workers, 980k pairs on 931k keys, 105 of them held by several
 workers, in 2M slots): 42 MiB, 45 B a pair and 47 B a distinct block, against 393 and
-414 with the ``OrderedDict`` of holder dicts this replaced; ``match_counts`` 46 us at
-p50 against 423. ``bench sim``'s six workers share most keys: 90 B a pair there (339
+414 with the ``OrderedDict`` of holder dicts this replaced; ``match_counts`` 35-46 us at
+p50 against 420 (``docs/bench-scheduler.md``). ``bench sim``'s six workers share most keys: 90 B a pair there (339
 before). ``_Names`` keeps up to 32 maps of a prefix's workers besides (~40 KB each at
 1,000 workers). ``approx_bytes`` adds up the columns and samples the multi-holder keys.
 """
