@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from switchyard.bench import sim, sweep
+from switchyard.bench.sim import parse_policies, positive_int, time_scales
 from switchyard.bench.traces import TraceRequest, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: shared/ sits beside it
@@ -90,27 +92,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--azure", type=Path, default=AZURE, help="the Azure LLM inference conversation trace (CSV)")
     p.add_argument("--cases", default=None, help=f"comma-separated case names (default: all of {names})")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policies")
-    p.add_argument("--limit", type=_positive_int, default=None, help="replay only each trace's first N requests")
+    p.add_argument("--limit", type=positive_int, default=None, help="replay only each trace's first N requests")
     for trace, scales in SCALES.items():
         p.add_argument(
             f"--{trace}-sweep",
-            default=",".join(f"{s:g}" for s in scales),
+            type=time_scales,
+            default=list(scales),
             metavar="SCALES",
-            help=f"the time scales of the {trace} cases",
+            help=f"the {trace} cases' time scales, light load first (default {','.join(f'{x:g}' for x in scales)})",
         )
-    p.add_argument("--jobs", type=_positive_int, default=2, help="runs in this many processes at once")
-
-
-def _positive_int(text: str) -> int:
-    from switchyard.bench.sim import positive_int
-
-    return positive_int(text)
+    p.add_argument("--jobs", type=positive_int, default=2, help="runs in this many processes at once")
 
 
 def run(args: argparse.Namespace) -> int:
-    from switchyard.bench import sweep
-    from switchyard.bench.sim import parse_policies
-
     cases = select_cases(args.cases)
     policies = parse_policies(args.policies)
     traces: dict[str, list[TraceRequest]] = {}
@@ -144,13 +138,12 @@ def select_cases(text: str | None) -> list[Case]:
 
 def sim_args(case: Case, args: argparse.Namespace, policies: list[str]) -> argparse.Namespace:
     """The ``bench sim --sweep`` arguments of one case: its flags over the sim CLI's defaults."""
-    from switchyard.bench import sim
-
     parser = argparse.ArgumentParser()
     sim.add_arguments(parser)
     trace = args.mooncake if case.trace == "mooncake" else args.azure
     argv = ["--trace", str(trace), "--policies", ",".join(policies), *case.sim_argv()]
-    argv += ["--sweep", getattr(args, f"{case.trace}_sweep"), "--jobs", str(args.jobs)]
+    scales = ",".join(map(repr, getattr(args, f"{case.trace}_sweep")))  # repr: the float exactly
+    argv += ["--sweep", scales, "--jobs", str(args.jobs)]
     argv += ["--out", str(args.out / case.name)]
     if args.limit is not None:
         argv += ["--limit", str(args.limit)]
