@@ -1,8 +1,9 @@
 """``switchyard bench matrix``: load sweeps on every trace, fleet shape and cache users run,
 and how ``switchyard`` compares with the best faithful peer in each.
 
-    switchyard bench matrix --out bench/results/sim/matrix      # every case, ~see docs/bench-sim.md
+    switchyard bench matrix --out bench/results/sim/matrix      # every case (its wall time: docs/bench-sim.md)
     switchyard bench matrix --cases mooncake-6p2d-device --limit 2000 --policies dynamo_kv,switchyard
+    switchyard bench matrix --summarize-only                    # matrix.json again, from the sweeps there
 
 A case is (trace, fleet shape, cache): the Mooncake conversation trace on a 6 prefill + 2
 decode fleet, a 4 + 4 one and 8 colocated workers, each with device-only caches and with
@@ -102,6 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             help=f"the {trace} cases' time scales, light load first (default {','.join(f'{x:g}' for x in scales)})",
         )
     p.add_argument("--jobs", type=positive_int, default=2, help="runs in this many processes at once")
+    p.add_argument(
+        "--summarize-only",
+        action="store_true",
+        help="run nothing: matrix.json, its table and plot from the cases' sweep.json already in --out",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     traces: dict[str, list[TraceRequest]] = {}
     started = time.perf_counter()
-    for n, case in enumerate(cases, 1):
+    for n, case in enumerate([] if args.summarize_only else cases, 1):
         case_args = sim_args(case, args, policies)
         if case.trace not in traces:
             traces[case.trace] = read_trace(case_args.trace, None, args.limit)

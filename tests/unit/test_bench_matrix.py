@@ -93,3 +93,15 @@ def test_the_best_peer_is_the_highest_peak_and_the_light_best_may_be_another():
     assert c["best_peer_own_peak_ttft_p90_s"] == 0.9  # dynamo_kv's, at its own peak
     assert c["light_goodput_rps"] == {"ours": 1.0, "peer": 1.0}
     assert matrix.compare({"dynamo_kv": policies["dynamo_kv"]}) is None  # no switchyard: nothing to compare
+
+
+def test_summarize_only_rebuilds_matrix_json_from_the_sweeps_already_there(tmp_path):
+    trace = write_trace(tmp_path / "steady.jsonl", steady())
+    out = tmp_path / "m"
+    argv = ["--out", str(out), "--mooncake", str(trace), "--cases", "mooncake-6p2d-device", "--limit", "100"]
+    argv += ["--policies", "dynamo_kv,switchyard", "--mooncake-sweep", "1,0.5", "--jobs", "1"]
+    assert matrix.main(argv) == 0
+    first = (out / "matrix.json").read_text()
+    (out / "matrix.json").unlink()
+    assert matrix.main([*argv, "--summarize-only", "--mooncake", str(tmp_path / "no-such-trace.jsonl")]) == 0
+    assert (out / "matrix.json").read_text() == first
