@@ -28,10 +28,11 @@ Design: no Python object per key
   numpy) once keys and tombstones fill 80% of it, at a size that puts its load back
   between 35% and 70%.
 - **Sparse holders.** Most keys have one holder: its worker slot and its tier bits sit
-  in the table. A key held by several workers is marked ``_MULTI`` and its holders are
-  four worker masks, one per tier, in ``_multi`` (key -> [device, host, disk, cluster]);
-  it goes back inline when one holder is left. A key is in the cluster tier while any
-  holder reports it there, so a forgotten worker's reports go with it.
+  in the table. A key held by several workers names a row of ``_Rows`` instead (its
+  holder column is ``_MULTI - row``): four worker masks, one per tier, in one flat list,
+  and the row's slot in the table (kept up to date by a rebuild). It goes back inline
+  when one holder is left. A key is in the cluster tier while any holder reports it
+  there, so a forgotten worker's reports go with it.
 - **match** ANDs masks along the prompt: the workers still matching on any tier and on
   the device tier are two ints; a key in the cluster tier keeps everybody still matching;
   the workers that stop at block ``i`` are ``before & ~after``, and only those are ever
@@ -48,20 +49,21 @@ Design: no Python object per key
   extensions and the LRU drops leaves first: a key whose parent is gone can never be
   matched again, so keeping it would waste the bound.
 - Forgetting, clearing or re-snapshotting a worker sweeps the table's holder column
-  (numpy, about 1 ms at 2M slots) and the multi-holder keys (Python): rare events, so no
-  per-worker key set is kept.
+  (numpy, about 1 ms at 2M slots) and the rows (Python): rare events, so no per-worker
+  key set is kept.
 - Keys outside ``[0, 2**64)`` (no block hash is) are never stored, so never matched.
 
 Measured (``bench scheduler``: ``sys.getsizeof`` over every object reachable from the
 index, CPython 3.11): 21 bytes a table slot, so 30-60 bytes a key as the table's load
-goes from 70% to 35%, plus about 170 for a key several workers hold (its four masks in a
-list, the key as an int, a dict entry; more for masks of hundreds of workers). The
-bench's fleet (750 prefill workers, 980k pairs on 931k keys, 105 of them held by several
-workers, in 2M slots): 42 MiB, 45 B a pair and 47 B a distinct block, against 393 and
-414 with the ``OrderedDict`` of holder dicts this replaced; ``match_counts`` 35-46 us at
-p50 against 420 (``docs/bench-scheduler.md``). ``bench sim``'s six workers share most keys: 90 B a pair there (339
-before). ``_Names`` keeps up to 32 maps of a prefix's workers besides (~40 KB each at
-1,000 workers). ``approx_bytes`` adds up the columns and samples the multi-holder keys.
+goes from 70% to 35%; a key several workers hold adds its row, 40 bytes (four list
+entries and its slot), plus its masks of more than the first eight workers as ints of
+their own (~130 B each at 1,000 workers). The bench's fleet (750 prefill workers, 980k
+pairs on 931k keys, 105 held by several workers, in 2M slots): 42 MiB, 45 B a pair and
+47 B a distinct block, against 393 and 414 with the ``OrderedDict`` of holder dicts this
+replaced; ``match_counts`` 35-46 us at p50 against 420 (``docs/bench-scheduler.md``).
+``bench sim``'s six workers share most keys: 40 B a pair there (339 before). ``_Names``
+keeps up to 32 maps of a prefix's workers besides (~40 KB each at 1,000 workers).
+``approx_bytes`` adds up the columns and the rows, sampling the masks.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ ALL_TIERS = OWN | CLUSTER
 TIER_BITS = {"device": DEVICE, "host": HOST, "disk": DISK, "cluster": CLUSTER}
 _TIER_ORDER = (DEVICE, HOST, DISK, CLUSTER)  # the order of a multi-holder key's masks
 
-# The holder column: a worker slot (>= 0), or one of these.
+# The holder column: a worker slot (>= 0), free, a tombstone, or ``_MULTI - row`` for a key
+# held by several workers, whose masks are that row of ``_Rows``.
 _EMPTY, _TOMB, _MULTI = -1, -2, -3
 
 _KEY_LIMIT = 1 << 64
@@ -114,7 +117,7 @@ class PrefixIndex:
         self._slot: dict[str, int] = {}  # known workers -> their bit
         self._ids: list[str | None] = []  # bit -> worker (None: free)
         self._known = 0  # the mask of every known worker
-        self._multi: dict[int, list[int]] = {}  # key held by 2+ workers -> a worker mask per tier
+        self._rows = _Rows()  # the holders of keys held by 2+ workers
         self._pairs = 0
         self._live = 0  # keys in the table
         self._tombs = 0
@@ -211,18 +214,16 @@ class PrefixIndex:
 
     def _add_holder(self, slot: int, key: int, worker: int, bit: int) -> None:
         """``worker`` stores ``key``, which others hold."""
-        holder = self._holder[slot]
-        if holder == _MULTI:
-            masks = self._multi[key]
-            if not (masks[0] | masks[1] | masks[2] | masks[3]) >> worker & 1:
+        holder, rows = self._holder[slot], self._rows
+        if holder <= _MULTI:
+            row = _MULTI - holder
+            if not rows.held(row) >> worker & 1:
                 self._pairs += 1
-            masks[_TIER_ORDER.index(bit)] |= 1 << worker
+            rows.masks[4 * row + _TIER_ORDER.index(bit)] |= 1 << worker
         else:  # a second holder: the key's holders move out of the table
-            masks = [0, 0, 0, 0]
-            for i, tier in enumerate(_TIER_ORDER):
-                masks[i] = (1 << holder if self._tiers[slot] & tier else 0) | (1 << worker if bit == tier else 0)
-            self._multi[key] = masks
-            self._holder[slot], self._tiers[slot] = _MULTI, 0
+            masks = [(1 << holder if self._tiers[slot] & tier else 0) for tier in _TIER_ORDER]
+            masks[_TIER_ORDER.index(bit)] |= 1 << worker
+            self._holder[slot], self._tiers[slot] = _MULTI - rows.add(slot, masks), 0
             self._pairs += 1
 
     def _unset(self, worker: int, key: int, bits: int) -> None:
@@ -236,24 +237,24 @@ class PrefixIndex:
                 self._tiers[slot] = left
             else:
                 self._delete(slot)
-        elif holder == _MULTI:
-            self._unset_multi(slot, key, worker, bits)
+        elif holder <= _MULTI:
+            self._unset_multi(slot, _MULTI - holder, worker, bits)
 
-    def _unset_multi(self, slot: int, key: int, worker: int, bits: int) -> None:
-        masks, me = self._multi[key], 1 << worker
-        if not sum_masks(masks) & me:
+    def _unset_multi(self, slot: int, row: int, worker: int, bits: int) -> None:
+        rows, me = self._rows, 1 << worker
+        if not rows.held(row) & me:
             return  # not one of its holders
         for i, tier in enumerate(_TIER_ORDER):
             if bits & tier:
-                masks[i] &= ~me
-        held = masks[0] | masks[1] | masks[2] | masks[3]
+                rows.masks[4 * row + i] &= ~me
+        held = rows.held(row)
         if held & me:
             return
         self._pairs -= 1
         if held & (held - 1) == 0:  # one holder left: back into the table
-            del self._multi[key]
+            self._tiers[slot] = sum(tier for i, tier in enumerate(_TIER_ORDER) if rows.masks[4 * row + i])
             self._holder[slot] = held.bit_length() - 1
-            self._tiers[slot] = sum(tier for i, tier in enumerate(_TIER_ORDER) if masks[i])
+            rows.remove(row)
 
     def _clear(self, worker: int) -> None:
         """Everything ``worker`` holds, every tier: a sweep of the table, then of the
@@ -265,9 +266,8 @@ class PrefixIndex:
         self._live -= len(mine)
         self._tombs += len(mine)
         self._pairs -= len(mine)
-        me = 1 << worker
-        for key in [k for k, m in self._multi.items() if (m[0] | m[1] | m[2] | m[3]) & me]:
-            self._unset_multi(self._probe(key), key, worker, ALL_TIERS)
+        for row in self._rows.holding(worker):
+            self._unset_multi(self._rows.slot[row], row, worker, ALL_TIERS)
 
     def _delete(self, slot: int) -> None:
         self._holder[slot] = _TOMB
@@ -277,20 +277,22 @@ class PrefixIndex:
 
     def _evict_over_bound(self) -> None:
         while self._pairs > self.max_entries:
-            slot, key = self._least_recent()
-            if self._holder[slot] == _MULTI:
-                self._pairs -= sum_masks(self._multi.pop(key)).bit_count() - 1  # _delete counts one
+            slot = self._least_recent()
+            holder = self._holder[slot]
+            if holder <= _MULTI:
+                self._pairs -= self._rows.held(_MULTI - holder).bit_count() - 1  # _delete counts one
+                self._rows.remove(_MULTI - holder)
             self._delete(slot)
 
-    def _least_recent(self) -> tuple[int, int]:
-        """The slot and key of the least recently stamped key (see the note)."""
+    def _least_recent(self) -> int:
+        """The slot of the least recently stamped key (see the note)."""
         while True:
             if not self._victims:
                 self._pick_victims()
             stamp, key = self._victims.pop()
             slot = self._probe(key)
             if slot >= 0 and self._stamp[slot] == stamp:
-                return slot, key
+                return slot
 
     def _pick_victims(self) -> None:
         live = self._live_slots()
@@ -352,16 +354,20 @@ class PrefixIndex:
         slots = _place(columns[0], bits)
         for (column, dtype), values in zip(self._columns(), columns, strict=True):
             np.frombuffer(column, dtype=dtype)[slots] = values
+        holders = columns[2]
+        multi = holders <= _MULTI  # their rows follow them to their new slots
+        np.frombuffer(self._rows.slot, dtype=np.int64)[_MULTI - holders[multi]] = slots[multi]
         self._tombs = 0  # (the eviction candidates name keys, not slots: they stay good)
 
     def _columns(self) -> list[tuple[array[int], type]]:
         return [(self._keys, np.uint64), (self._stamp, np.int64), (self._holder, np.int32), (self._tiers, np.uint8)]
 
-    def _holders_of(self, slot: int, key: int) -> tuple[int, int, bool]:
+    def _holders_of(self, slot: int) -> tuple[int, int, bool]:
         """(device mask, own-tier mask, in the cluster tier) of the key at ``slot``."""
         holder = self._holder[slot]
-        if holder == _MULTI:
-            device, host, disk, cluster = self._multi[key]
+        if holder <= _MULTI:
+            row = 4 * (_MULTI - holder)
+            device, host, disk, cluster = self._rows.masks[row : row + 4]
             return device, device | host | disk, cluster != 0
         tiers, me = self._tiers[slot], 1 << holder
         return (me if tiers & DEVICE else 0), (me if tiers & OWN else 0), tiers & CLUSTER != 0
@@ -414,7 +420,7 @@ class PrefixIndex:
         slots = []
         for i, key in enumerate(block_keys):
             slot = self._probe(key)
-            if slot < 0 or not walk.step(i, *self._holders_of(slot, key)):
+            if slot < 0 or not walk.step(i, *self._holders_of(slot)):
                 break
             slots.append(slot)
         walk.finish(len(slots))
@@ -433,24 +439,23 @@ class PrefixIndex:
         multi-holder keys from a sample. It leaves out the worker id strings (shared, one
         per worker)."""
         columns = sum(sys.getsizeof(c) for c, _ in self._columns())
-        sample = [_multi_bytes(k, m) for k, m in islice(self._multi.items(), _SAMPLE)]
-        multi = len(self._multi) * sum(sample) / len(sample) if sample else 0
-        maps = sum(sys.getsizeof(c) for c in (self._seq, self._slot, self._ids, self._multi, self._victims))
-        return int(columns + multi + maps)
+        maps = sum(sys.getsizeof(c) for c in (self._seq, self._slot, self._ids, self._victims))
+        return int(columns + self._rows.approx_bytes() + maps)
 
     def check_invariants(self) -> None:
         """The table, the multi-holder keys and the workers agree; O(table): for tests."""
         holders = self._holder.tolist()
-        live = [i for i, h in enumerate(holders) if h >= 0 or h == _MULTI]
+        live = [i for i, h in enumerate(holders) if h >= 0 or h <= _MULTI]
         assert len(live) == self._live and holders.count(_TOMB) == self._tombs
         assert self._live + self._tombs <= self._max_used and _EMPTY in holders
         assert all(self._probe(self._keys[i]) == i for i in live)  # every key reachable, once
-        multi = {self._keys[i] for i in live if holders[i] == _MULTI}
-        assert multi == self._multi.keys()
-        assert all(sum_masks(m) & (sum_masks(m) - 1) for m in self._multi.values())  # 2+ holders
+        multi = {_MULTI - holders[i]: i for i in live if holders[i] <= _MULTI}
+        assert multi == {row: self._rows.slot[row] for row in self._rows.in_use()}
+        for row in multi:
+            held = self._rows.held(row)
+            assert held & (held - 1) and held & ~self._known == 0  # 2+ holders, all known
         assert all(self._tiers[i] and (self._known >> holders[i] & 1) for i in live if holders[i] >= 0)
-        assert all(sum_masks(m) & ~self._known == 0 for m in self._multi.values())
-        pairs = sum(1 if holders[i] >= 0 else sum_masks(self._multi[self._keys[i]]).bit_count() for i in live)
+        pairs = sum(1 if holders[i] >= 0 else self._rows.held(_MULTI - holders[i]).bit_count() for i in live)
         assert pairs == self._pairs <= self.max_entries
         assert self._seq.keys() == self._slot.keys()
         assert all(self._ids[s] == w for w, s in self._slot.items())
@@ -465,9 +470,53 @@ def sum_masks(masks: Iterable[int]) -> int:
     return union
 
 
-def _multi_bytes(key: int, masks: list[int]) -> int:
-    # Ints up to 256 are CPython's shared singletons: a mask of the first 8 workers costs nothing.
-    return sys.getsizeof(key) + sys.getsizeof(masks) + sum(sys.getsizeof(m) for m in masks if m > 256)
+class _Rows:
+    """The holders of the keys several workers hold: a row of four worker masks each
+    (device, host, disk, cluster) in one flat list, and the row's slot in the table,
+    whose holder column names the row. A mask is a list entry (8 B) and, past the first
+    eight workers, an int of its own (ints up to 256 are CPython's shared ones). Freed
+    rows are reused; they hold zeros meanwhile."""
+
+    def __init__(self) -> None:
+        self.masks: list[int] = []  # row r is masks[4r : 4r + 4]
+        self.slot = array("q")  # row -> its key's table slot
+        self._free: list[int] = []
+
+    def add(self, slot: int, masks: list[int]) -> int:
+        if self._free:
+            row = self._free.pop()
+            self.masks[4 * row : 4 * row + 4] = masks
+            self.slot[row] = slot
+        else:
+            row = len(self.slot)
+            self.masks += masks
+            self.slot.append(slot)
+        return row
+
+    def remove(self, row: int) -> None:
+        self.masks[4 * row : 4 * row + 4] = _NO_MASKS
+        self._free.append(row)
+
+    def held(self, row: int) -> int:
+        """Every worker holding the row's key, on any tier."""
+        m = self.masks
+        return m[4 * row] | m[4 * row + 1] | m[4 * row + 2] | m[4 * row + 3]
+
+    def holding(self, worker: int) -> list[int]:
+        return [row for row in range(len(self.slot)) if self.held(row) >> worker & 1]
+
+    def in_use(self) -> set[int]:
+        return set(range(len(self.slot))) - set(self._free)
+
+    def approx_bytes(self) -> int:
+        """The lists and the array, and the masks that are ints of their own (sampled)."""
+        sampled = min(len(self.masks), 4 * _SAMPLE)
+        own = sum(sys.getsizeof(m) for m in islice(self.masks, sampled) if m > 256)
+        containers = sum(sys.getsizeof(c) for c in (self.masks, self.slot, self._free))
+        return containers + (len(self.masks) * own // sampled if sampled else 0)
+
+
+_NO_MASKS = [0, 0, 0, 0]
 
 
 def _place(keys: npt.NDArray[np.uint64], bits: int) -> npt.NDArray[np.int64]:
