@@ -24,9 +24,10 @@ Design: no Python object per key
   columns because one element read is a Python int, three times faster than a numpy
   scalar, and this table is read one key at a time; numpy views of the same buffers
   (``np.frombuffer``) do the whole-table sweeps: rebuilding, forgetting a worker,
-  choosing what to evict. A removed key leaves a tombstone; the table is rebuilt (in
-  numpy) once keys and tombstones fill 80% of it, at a size that puts its load back
-  between 35% and 70%.
+  choosing what to evict. A removed key leaves a tombstone, unless the slot after it is
+  free (then it and the tombstones before it are freed); the table is rebuilt (in numpy)
+  once keys and tombstones fill 80% of it, at a size that puts its load back between
+  35% and 70%.
 - **Sparse holders.** Most keys have one holder: its worker slot and its tier bits sit
   in the table. A key held by several workers names a row of ``_Rows`` instead (its
   holder column is ``_MULTI - row``): four worker masks, one per tier, in one flat list,
@@ -274,6 +275,19 @@ class PrefixIndex:
         self._live -= 1
         self._tombs += 1
         self._pairs -= 1
+        self._free_tombs_before((slot + 1) & self._mask)
+
+    def _free_tombs_before(self, slot: int) -> None:
+        """If ``slot`` is free, the tombstones just before it are too: no probe passes a
+        free slot, so none needs them (about half the removals at the table's usual load)."""
+        holder, mask = self._holder, self._mask
+        if holder[slot] != _EMPTY:
+            return
+        slot = (slot - 1) & mask
+        while holder[slot] == _TOMB:  # ends: the table always has a free slot
+            holder[slot] = _EMPTY
+            self._tombs -= 1
+            slot = (slot - 1) & mask
 
     def _evict_over_bound(self) -> None:
         while self._pairs > self.max_entries:
