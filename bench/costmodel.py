@@ -51,6 +51,28 @@ concurrency 80-90 of 5,500-token sequences. It bounds a decode worker's KV token
 **Handoff**: the prompt's KV moves prefill -> decode at ``link_bytes_per_s``; we assume
 one 400 Gb/s RDMA NIC (ConnectX-7, 50 GB/s) per instance, whole prompt after prefill
 (no layer-wise overlap): 12,000 tokens take 39 ms.
+
+**Host and disk tiers** (``--host-cache-blocks``, ``--disk-cache-blocks``): a prefix
+block found in host DRAM or on local disk must be loaded to the GPUs before the prompt's
+first chunk (512 tokens of FP8 KV: 83.9 MB a block). Assumed, per instance (2 GPUs):
+
+- host -> GPU at ``host_bytes_per_s`` = 100 GB/s: each H100 SXM has its own PCIe Gen5
+  x16 link (32 GT/s x 16 lanes, ~63 GB/s a direction, the PCIe 5.0 spec; NVIDIA's H100
+  datasheet gives 128 GB/s both ways), of which pinned host-to-device copies reach ~80 %,
+  ~50 GB/s; with TP2 each GPU loads its own half of the KV heads over its own link. A
+  block takes 0.84 ms, a 12,000-token prefix 20 ms (its prefill: ~1 s).
+- disk -> GPU at ``disk_bytes_per_s`` = 12 GB/s: a DGX H100 has eight 3.84 TB U.2 NVMe
+  data drives (its datasheet), so a 2-GPU instance's share is two; a datacenter PCIe
+  Gen4 U.2 drive reads ~7 GB/s sequentially (e.g. Samsung PM1733's spec sheet), taken as
+  6 GB/s each for 84 MB reads through a file system. The read lands in host memory and
+  crosses PCIe after, pipelined, so the slower disk sets the rate: 7 ms a block.
+
+A worker loads one prompt's blocks at a time, host blocks and disk blocks back to back
+(``fetch_s``), and the prompt waits for its load while the worker's other prompts and
+decodes go on: vLLM's asynchronous KV connectors (LMCache, NIXL) park such a request in
+``WAITING_FOR_REMOTE_KVS`` and schedule the others; a synchronous load that stalls the
+whole iteration would cost the other requests more. The load does not contend with the
+prefill -> decode handoff (a NIC, not the host link) nor slow the GPU's compute.
 """
 
 from __future__ import annotations
@@ -73,6 +95,8 @@ class CostModel:
     decode_per_kv_token_s: float = KV_BYTES_PER_TOKEN / 6.7e12  # 24.5 ns: HBM peak of 2 x H100
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
     link_bytes_per_s: float = 50e9
+    host_bytes_per_s: float = 100e9  # host DRAM -> the instance's GPUs (2 x PCIe Gen5 x16)
+    disk_bytes_per_s: float = 12e9  # local NVMe -> the instance's GPUs (2 x Gen4 U.2 drives)
     kv_capacity_tokens: int = 450_000
     chunk_tokens: int = 8192  # max_num_batched_tokens: prompt + decode tokens per iteration
 
@@ -94,6 +118,11 @@ class CostModel:
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+
+    def fetch_s(self, host_tokens: int, disk_tokens: int) -> float:
+        """Loading a prompt's cached KV from host DRAM and from disk to its GPUs."""
+        bytes_per_token = self.kv_bytes_per_token
+        return bytes_per_token * (host_tokens / self.host_bytes_per_s + disk_tokens / self.disk_bytes_per_s)
 
 
 __all__ = ["ATTENTION_TOKENS", "KV_BYTES_PER_TOKEN", "CostModel"]

@@ -12,9 +12,16 @@ come first served; its duration comes from ``CostModel.iteration_s``.
 - ``both`` (colocated) workers prefill and then decode the same request: their prompt
   chunks ride in the same iterations as their decodes, so decode slows while they run.
 
-Every worker has a bounded LRU prefix cache of block keys, looked up when a prompt's
-first chunk is scheduled and filled when its prefill ends. Prefill and ``both`` workers
-report its changes as ``KvEventBatch``es (seq from 1) and answer snapshots from it.
+Every worker has a tiered prefix cache of block keys (``PrefixCache``): the device
+(HBM), then optionally host DRAM and local disk, an LRU each; a block evicted from one
+tier moves to the next. It is looked up when a prompt's first chunk is scheduled and
+filled when its prefill ends. Blocks found on host or disk are loaded to the device
+first (``CostModel.fetch_s``, one load at a time per worker): the prompt waits for its
+load while the worker's other prompts and decodes go on, as under vLLM's asynchronous
+KV connectors (a request in ``WAITING_FOR_REMOTE_KVS`` is skipped by the scheduler, not
+waited for). Prefill and ``both`` workers report the cache's changes as
+``KvEventBatch``es (seq from 1) whose events name their tier, and answer snapshots with
+every tier.
 Decode workers, like ``workers.decode``, keep the blocks handed to them (and those of
 their local prefills) and report them too, so conditional disaggregation finds a
 conversation's earlier turns where they were decoded; ``reports_kv=False`` turns that
@@ -48,6 +55,7 @@ from switchyard.schemas import (
     RequestFinished,
     Role,
     SimKvHandle,
+    Tier,
     WorkerEvent,
     WorkerTask,
 )
@@ -90,6 +98,19 @@ class Sink(Protocol):
     def kv_events(self, batch: KvEventBatch, now: float) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class TierCounts:
+    """Of a prompt's leading cached blocks (or their tokens), how many came from each tier."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk
+
+
 @dataclass(slots=True)
 class _Prompt:
     task: PrefillTask | LocalTask
@@ -99,6 +120,8 @@ class _Prompt:
     cached: int = -1  # -1 until its first chunk is scheduled (the cache lookup)
     done: int = 0  # prompt positions computed so far (cached ones count as computed)
     started: float = 0.0
+    served: TierCounts = TierCounts()  # its cached tokens, by the tier they were found on
+    loading: bool = False  # its host/disk blocks are on their way to the device
 
 
 @dataclass(slots=True)
@@ -114,41 +137,121 @@ class _Joining:
     tokens: int  # the whole output, the first token (from prefill) included
 
 
+class TierLRU:
+    """One tier's LRU of block keys, and its changes since they were last reported, net of
+    each other (a key stored and removed in between is never reported): so a batch's events
+    may come in any order and the index still ends up where the cache is."""
+
+    def __init__(self, name: Tier, capacity: int) -> None:
+        self.name, self.capacity = name, capacity
+        self.keys: OrderedDict[int, None] = OrderedDict()
+        self._stored: dict[int, None] = {}  # absent at the last report, present now
+        self._removed: dict[int, None] = {}  # present at the last report, absent now
+
+    def add(self, key: int) -> int | None:
+        """Store ``key`` as the most recent; returns the key evicted to make room, if any."""
+        if key in self._removed:
+            del self._removed[key]  # back as it was at the last report
+        else:
+            self._stored[key] = None
+        self.keys[key] = None
+        if len(self.keys) > self.capacity:
+            old, _ = self.keys.popitem(last=False)
+            self._forget(old)
+            return old
+        return None
+
+    def discard(self, key: int) -> None:
+        del self.keys[key]
+        self._forget(key)
+
+    def _forget(self, key: int) -> None:
+        if key in self._stored:
+            del self._stored[key]  # never reported: nothing to take back
+        else:
+            self._removed[key] = None
+
+    def take_events(self) -> list[KvEvent]:
+        events: list[KvEvent] = []
+        if self._stored:
+            events.append(BlocksStored(keys=list(self._stored), tier=self.name))
+        if self._removed:
+            events.append(BlocksRemoved(keys=list(self._removed), tier=self.name))
+        self._stored, self._removed = {}, {}
+        return events
+
+
 class PrefixCache:
-    """A bounded LRU of block keys; ``lookup`` counts the leading hits and refreshes them."""
+    """A worker's tiered prefix cache: device (HBM), then host DRAM, then local disk, an LRU
+    each. A block evicted from one tier moves to the next (from the last it is gone); a block
+    found below the device is loaded back up to it. Tiers are exclusive: a key is on one.
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+    ``lookup`` counts a prompt's leading blocks found on any tier and brings them all to the
+    device (as recent); ``insert`` stores a prefilled prompt's blocks on the device. Both only
+    move keys; what a load costs is the worker's business (``CostModel.fetch_s``).
+    """
 
-    def lookup(self, keys: list[int]) -> int:
-        blocks = self._blocks
-        hits = 0
+    def __init__(self, device: int, host: int = 0, disk: int = 0) -> None:
+        self.tiers = [TierLRU("device", device), TierLRU("host", host), TierLRU("disk", disk)]
+        self.capacity = device
+
+    def lookup(self, keys: list[int]) -> TierCounts:
+        found = [0, 0, 0]
         for key in keys:
-            if key not in blocks:
+            level = self._level(key)
+            if level is None:
                 break
-            blocks.move_to_end(key)
-            hits += 1
+            found[level] += 1
+        hits = TierCounts(*found)
+        self.insert(keys[: hits.total])
         return hits
 
-    def insert(self, keys: list[int], stored: list[int], removed: list[int]) -> None:
-        if self.capacity <= 0:
+    def insert(self, keys: list[int]) -> None:
+        """``keys`` on the device tier, the last most recent; what they push out moves down."""
+        device = self.tiers[0]
+        if device.capacity <= 0:
             return
-        blocks = self._blocks
         for key in keys:
-            if key in blocks:
-                blocks.move_to_end(key)
-            else:
-                blocks[key] = None
-                stored.append(key)
-        while len(blocks) > self.capacity:
-            removed.append(blocks.popitem(last=False)[0])
+            level = self._level(key)
+            if level == 0:
+                device.keys.move_to_end(key)
+                continue
+            if level is not None:
+                self.tiers[level].discard(key)
+            self._place(0, key)
 
-    def keys(self) -> list[int]:
-        return list(self._blocks)
+    def _place(self, level: int, key: int) -> None:
+        """``key`` onto tier ``level``; each eviction cascades to the next tier there is."""
+        for tier in self.tiers[level:]:
+            if tier.capacity <= 0:
+                continue  # no such tier
+            evicted = tier.add(key)
+            if evicted is None:
+                return
+            key = evicted
+
+    def _level(self, key: int) -> int | None:
+        for level, tier in enumerate(self.tiers):
+            if key in tier.keys:
+                return level
+        return None
+
+    def take_events(self) -> list[KvEvent]:
+        """The changes since the last call, per tier (device first)."""
+        return [event for tier in self.tiers for event in tier.take_events()]
+
+    def keys(self, tier: Tier = "device") -> list[int]:
+        return list(self.tiers[_LEVELS[tier]].keys)
+
+    def snapshot(self) -> dict[str, list[int]]:
+        """Every tier that can hold anything -> its keys, least recent first."""
+        return {tier.name: list(tier.keys) for tier in self.tiers if tier.capacity > 0 or tier.name == "device"}
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return sum(len(tier.keys) for tier in self.tiers)
+
+
+_LEVELS: dict[str, int] = {"device": 0, "host": 1, "disk": 2}
 
 
 @dataclass
@@ -157,6 +260,7 @@ class WorkerStats:
     iterations: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    fetch_s: float = 0.0  # host/disk -> device loads, summed
 
 
 class SimWorker:
@@ -169,10 +273,15 @@ class SimWorker:
         loop: EventLoop,
         sink: Sink,
         reports_kv: bool | None = None,
+        *,
+        host_cache_blocks: int = 0,
+        disk_cache_blocks: int = 0,
+        on_served: Callable[[str, TierCounts], None] | None = None,
     ) -> None:
         self.worker_id, self.role, self.cost = worker_id, role, cost
         self.reports_kv = True if reports_kv is None else reports_kv
-        self.cache = PrefixCache(cache_blocks)
+        self.cache = PrefixCache(cache_blocks, host_cache_blocks, disk_cache_blocks)
+        self._on_served = on_served  # told each prefilled prompt's cached tokens by tier
         self._loop, self._sink = loop, sink
         self._prompts: deque[_Prompt] = deque()
         self._joining: list[_Joining] = []  # ready to decode from the next iteration on
@@ -187,6 +296,8 @@ class SimWorker:
         self._in_flight: list[_Chunk] = []
         self._link_free_at = 0.0
         self._transfers = 0
+        self._fetch_free_at = 0.0  # host/disk -> device loads, one at a time
+        self._fetches = 0
         self._kv_seq = 0
         self.stats = WorkerStats()
 
@@ -202,13 +313,13 @@ class SimWorker:
         self._kick(now)
 
     def snapshot(self) -> KvSnapshot:
-        blocks = {"device": self.cache.keys()} if self.reports_kv else {}
+        blocks = self.cache.snapshot() if self.reports_kv else {}
         return KvSnapshot(worker_id=self.worker_id, seq=self._kv_seq, blocks=blocks)
 
     @property
     def active(self) -> bool:
-        """Busy, about to be, or waiting for a transfer: virtual time still matters to it."""
-        return self._busy or self._kicked or self._transfers > 0
+        """Busy, about to be, or waiting for a transfer or a load: virtual time still matters to it."""
+        return self._busy or self._kicked or self._transfers > 0 or self._fetches > 0
 
     # --- decode handoff ------------------------------------------------------------------
 
@@ -222,10 +333,8 @@ class SimWorker:
         def arrived(when: float) -> None:
             self._transfers -= 1
             if self.reports_kv:  # a decode worker that keeps and reports what it was handed
-                stored: list[int] = []
-                removed: list[int] = []
-                self.cache.insert(spec.block_keys, stored, removed)
-                self._publish(stored, removed, when)
+                self.cache.insert(spec.block_keys)
+                self._publish(when)
             self._joining.append(joining)
             self._kick(when)
 
@@ -251,10 +360,13 @@ class SimWorker:
                 break
             if prompt.cached < 0:
                 self._look_up(prompt, now)
+            if prompt.loading:
+                continue  # like vLLM's WAITING_FOR_REMOTE_KVS: the prompts behind it go on
             end = min(prompt.total, prompt.done + budget)
             work += self.cost.chunk_work(prompt.done, end)
             budget -= end - prompt.done
             chunks.append(_Chunk(prompt, end))
+        self._publish(now)  # what the lookups moved between tiers
         if not chunks and not self._running:
             return
         duration = self.cost.iteration_s(work, self._running, self._kv_tokens)
@@ -267,33 +379,53 @@ class SimWorker:
         spec = prompt.task.spec
         hits = self.cache.lookup(spec.block_keys)
         # Even a fully cached prompt computes its last position, for the first token's logits.
-        prompt.cached = min(hits * spec.block_size, prompt.total - 1)
+        prompt.cached = min(hits.total * spec.block_size, prompt.total - 1)
         prompt.done, prompt.started = prompt.cached, now
+        prompt.served = _tokens_by_tier(hits, spec.block_size, prompt.cached)
         self.stats.prompt_tokens += prompt.total
         self.stats.cached_tokens += prompt.cached
+        if prompt.served.host or prompt.served.disk:
+            self._load(prompt, now)
+
+    def _load(self, prompt: _Prompt, now: float) -> None:
+        """Bring a prompt's host/disk blocks to the device before its first chunk; the
+        worker's other prompts and decodes go on meanwhile (an asynchronous KV connector)."""
+        seconds = self.cost.fetch_s(prompt.served.host, prompt.served.disk)
+        start = max(now, self._fetch_free_at)
+        self._fetch_free_at = start + seconds
+        self._fetches += 1
+        prompt.loading = True
+        self.stats.fetch_s += seconds
+
+        def loaded(when: float) -> None:
+            self._fetches -= 1
+            prompt.loading = False
+            self._kick(when)
+
+        self._loop.at(self._fetch_free_at, loaded)
 
     def _end(self, now: float) -> None:
         # Outputs first, while still busy: dispatches they cause land in the next iteration.
         self._iteration += 1
         self._kv_tokens += self._running
-        stored: list[int] = []
-        removed: list[int] = []
-        done = self._advance_prompts(stored, removed)
-        self._publish(stored, removed, now)
+        done = self._advance_prompts()
+        self._publish(now)
         for prompt in done:
             self._prefill_done(prompt, now)
         self._finish_sequences(now)
         self._busy, self._in_flight = False, []
         self._kick(now)
 
-    def _advance_prompts(self, stored: list[int], removed: list[int]) -> list[_Prompt]:
-        done = []
+    def _advance_prompts(self) -> list[_Prompt]:
+        """The prompts whose last chunk just ran, in queue order, out of the queue and into
+        the cache. (Not only the queue's head: a prompt still loading lets later ones pass.)"""
         for chunk in self._in_flight:
             chunk.prompt.done = chunk.end
-        while self._prompts and self._prompts[0].done >= self._prompts[0].total:
-            prompt = self._prompts.popleft()
-            self.cache.insert(prompt.task.spec.block_keys, stored, removed)
-            done.append(prompt)
+        done = [chunk.prompt for chunk in self._in_flight if chunk.end >= chunk.prompt.total]
+        if done:
+            self._prompts = deque(p for p in self._prompts if p.done < p.total)
+        for prompt in done:
+            self.cache.insert(prompt.task.spec.block_keys)
         return done
 
     def _prefill_done(self, prompt: _Prompt, now: float) -> None:
@@ -306,6 +438,8 @@ class SimWorker:
             prefill_s=now - prompt.started,
         )
         handle = SimKvHandle(worker_id=self.worker_id, block_keys=spec.block_keys, num_tokens=prompt.total)
+        if self._on_served is not None:
+            self._on_served(spec.request_id, prompt.served)
         if prompt.decode_here and not finished:
             self._joining.append(_Joining(spec.request_id, prompt.total + 1, spec.sampling.max_tokens))
         self._sink.worker_event(
@@ -345,17 +479,20 @@ class SimWorker:
                 now,
             )
 
-    def _publish(self, stored: list[int], removed: list[int], now: float) -> None:
-        if not self.reports_kv:
-            return
-        events: list[KvEvent] = []
-        if stored:
-            events.append(BlocksStored(keys=stored))
-        if removed:
-            events.append(BlocksRemoved(keys=removed))
-        if events:
+    def _publish(self, now: float) -> None:
+        events = self.cache.take_events()
+        if events and self.reports_kv:
             self._kv_seq += 1
             self._sink.kv_events(KvEventBatch(worker_id=self.worker_id, seq=self._kv_seq, events=events), now)
+
+
+def _tokens_by_tier(hits: TierCounts, block_size: int, cached: int) -> TierCounts:
+    """A prompt's ``cached`` tokens split by the tier its blocks were found on. ``cached``
+    may be short of the blocks' tokens (a short last block, the last position always
+    computed): the shortfall is taken from the deepest tiers, so a load is never overcounted."""
+    device = min(hits.device * block_size, cached)
+    host = min(hits.host * block_size, cached - device)
+    return TierCounts(device, host, cached - device - host)
 
 
 @dataclass
@@ -365,6 +502,8 @@ class FleetShape:
     colocated: bool = False
     cache_blocks: int = CostModel().kv_capacity_tokens // 512  # HBM only
     prefill_token_budget: int = 65_536
+    host_cache_blocks: int = 0  # below the device tier, per worker; 0: none
+    disk_cache_blocks: int = 0
     roles: dict[str, Role] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -375,4 +514,16 @@ class FleetShape:
             self.roles |= {f"decode-{i}": "decode" for i in range(self.decode)}
 
 
-__all__ = ["EVENT", "KICK", "TICK", "EventLoop", "FleetShape", "PrefixCache", "SimWorker", "Sink", "WorkerStats"]
+__all__ = [
+    "EVENT",
+    "KICK",
+    "TICK",
+    "EventLoop",
+    "FleetShape",
+    "PrefixCache",
+    "SimWorker",
+    "Sink",
+    "TierCounts",
+    "TierLRU",
+    "WorkerStats",
+]

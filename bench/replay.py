@@ -4,7 +4,15 @@ The driver is the core's thin loop, as ``scheduler.service`` is on NATS, with th
 replaced by direct calls at the event's virtual time: a request arrives -> ``submit``;
 a simulated worker finishes something -> ``on_event`` / ``on_kv_events``; the core's
 actions are carried out at once (a ``Dispatch`` reaches its worker, a
-``RequestSnapshot`` is answered from that worker's cache). Workers register with one
+``RequestSnapshot`` is answered from that worker's cache).
+
+What the workers report reaches the core late, as over a bus and a worker's publish
+loop: its KV event batches (and snapshots) after ``kv_event_delay_s``, its worker events
+(``PrefillDone``, ``RequestFinished``: what releases the core's ledger) after
+``report_delay_s``, each stream in order per worker. So the core places on a slightly
+stale index and ledger. A request's own outcome (its first and last token) is recorded
+when the worker produced it, not when the core hears of it. A delay of 0 delivers at
+once, inside the worker's call, as before delays existed. Workers register with one
 ``LoadReport`` each and never expire (no heartbeats are simulated); ``tick`` runs every
 ``tick_s`` of virtual time while anything is outstanding.
 
@@ -21,7 +29,7 @@ from functools import partial
 from typing import Any
 
 from switchyard.bench.costmodel import CostModel
-from switchyard.bench.fleet import TICK, EventLoop, FleetShape, SimWorker
+from switchyard.bench.fleet import TICK, EventLoop, FleetShape, SimWorker, TierCounts
 from switchyard.bench.traces import TRACE_BLOCK_SIZE, TraceRequest, block_keys, tenant_salt
 from switchyard.scheduler import Dispatch, FailStream, RequestSnapshot, SchedulerConfig, SchedulerCore
 from switchyard.schemas import (
@@ -50,6 +58,10 @@ class ReplaySettings:
     seed: int = 0
     tick_s: float = 1.0
     time_scale: float = 1.0
+    kv_event_delay_s: float = 0.0  # worker -> core, KV event batches and snapshots
+    report_delay_s: float = 0.0  # worker -> core, PrefillDone and RequestFinished
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.05
 
     def scheduler_config(self) -> SchedulerConfig:
         """The core's config. Fields the core does not have yet are left out (and noted)."""
@@ -59,6 +71,8 @@ class ReplaySettings:
             "worker_expiry_s": NEVER,
             "local_prefill_max_tokens": self.local_prefill_max_tokens,
             "seed": self.seed,
+            "ttft_slo_s": self.ttft_slo_s,
+            "tpot_slo_s": self.tpot_slo_s,
         }
         known = set(SchedulerConfig.__struct_fields__)
         return SchedulerConfig(**{k: v for k, v in wanted.items() if k in known})
@@ -72,10 +86,11 @@ class Outcomes:
     last_token: list[float]
     cached: list[int]
     status: list[str]  # "pending", "done", "rejected", "failed"
+    served: list[TierCounts]  # its cached tokens by the tier they came from (its first prefill)
 
     @classmethod
     def empty(cls, n: int) -> Outcomes:
-        return cls([-1.0] * n, [-1.0] * n, [0] * n, ["pending"] * n)
+        return cls([-1.0] * n, [-1.0] * n, [0] * n, ["pending"] * n, [TierCounts()] * n)
 
 
 @dataclass
@@ -114,14 +129,27 @@ class Replay:
         self.loop = EventLoop()
         self.timing = CoreTiming()
         self.outcomes = Outcomes.empty(len(requests))
+        shape = settings.shape
         self.workers = {
-            wid: SimWorker(wid, role, settings.cost, settings.shape.cache_blocks, self.loop, self)
-            for wid, role in settings.shape.roles.items()
+            wid: SimWorker(
+                wid,
+                role,
+                settings.cost,
+                shape.cache_blocks,
+                self.loop,
+                self,
+                host_cache_blocks=shape.host_cache_blocks,
+                disk_cache_blocks=shape.disk_cache_blocks,
+                on_served=self._served,
+            )
+            for wid, role in shape.roles.items()
         }
         self._salt = tenant_salt(TENANT)
         self._progress = progress
         self._arrived = 0
         self._outstanding = 0
+        self._in_transit = 0  # worker -> core messages on their way
+        self._delivered_at: dict[tuple[str, str], float] = {}  # (worker, stream) -> last delivery
 
     def run(self) -> ReplayResult:
         started = time.perf_counter()
@@ -205,7 +233,7 @@ class Replay:
 
     def _tick(self, now: float) -> None:
         self._carry_out(self._call(self.core.tick, now), now)
-        pending = self._arrived < len(self.requests)
+        pending = self._arrived < len(self.requests) or self._in_transit > 0
         if pending or (self._outstanding and any(w.active for w in self.workers.values())):
             self.loop.at(now + self.settings.tick_s, self._tick, TICK)
 
@@ -220,8 +248,8 @@ class Replay:
                     self.timing.dispatches[kind] = self.timing.dispatches.get(kind, 0) + 1
                     self.workers[wid].accept(task, now)
                 case RequestSnapshot(worker_id=wid):
-                    snapshot = self.workers[wid].snapshot()
-                    self._carry_out(self._call(self.core.on_kv_snapshot, snapshot, now), now)
+                    snapshot = self.workers[wid].snapshot()  # as of now, behind the batches sent before
+                    self._deliver(wid, "kv", self.settings.kv_event_delay_s, now, self.core.on_kv_snapshot, snapshot)
                 case FailStream(request_id=rid):
                     self._settle(int(rid), "failed")
                 case _:
@@ -242,10 +270,33 @@ class Replay:
             case RequestFinished(request_id=rid):
                 self.outcomes.last_token[int(rid)] = now
                 self._settle(int(rid), "done")
-        self._carry_out(self._call(self.core.on_event, event, now), now)
+        self._deliver(event.worker_id, "report", self.settings.report_delay_s, now, self.core.on_event, event)
 
     def kv_events(self, batch: KvEventBatch, now: float) -> None:
-        self._carry_out(self._call(self.core.on_kv_events, batch, now), now)
+        self._deliver(batch.worker_id, "kv", self.settings.kv_event_delay_s, now, self.core.on_kv_events, batch)
+
+    def _served(self, request_id: str, served: TierCounts) -> None:
+        i = int(request_id)
+        if self.outcomes.first_token[i] < 0:  # told just before its PrefillDone
+            self.outcomes.served[i] = served
+
+    def _deliver(
+        self, worker_id: str, stream: str, delay: float, now: float, method: Callable[[Any, float], list], message: Any
+    ) -> None:
+        """``method(message)`` on the core, ``delay`` after ``now``, never before what the same
+        worker sent earlier on the same stream."""
+        if delay <= 0:
+            self._carry_out(self._call(method, message, now), now)
+            return
+        when = max(now + delay, self._delivered_at.get((worker_id, stream), 0.0))
+        self._delivered_at[worker_id, stream] = when
+        self._in_transit += 1
+
+        def arrive(at: float) -> None:
+            self._in_transit -= 1
+            self._carry_out(self._call(method, message, at), at)
+
+        self.loop.at(when, arrive)
 
     def _settle(self, i: int, status: str) -> None:
         if self.outcomes.status[i] == "pending":

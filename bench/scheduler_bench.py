@@ -45,8 +45,9 @@ Measured (``time.perf_counter`` around every core call; only the timed phase cou
 - Index memory after the fill: a ``sys.getsizeof`` walk of every object reachable from
   the ``PrefixIndex`` (``gc.get_referents``, each object once; types, modules and
   functions excluded), so it follows whatever structure the index uses. Divided by
-  (block, worker) entries and by distinct blocks. ``approx_bytes()`` beside it; and the
-  index lookup alone (``match_counts``), timed on 2,000 more prompts after the timed phase.
+  (block, worker) entries and by distinct blocks. ``approx_bytes()`` beside it; the same
+  walk after the timed phase; and the index lookup alone (``match_counts``, and
+  ``match_slots``), timed on 2,000 more prompts after the timed phase.
 
 A seeded run places identically every time: every dispatch (request, worker, kind) is
 hashed into ``digest``; ``--check-digest FILE`` compares with a previous
@@ -526,15 +527,34 @@ LOOKUPS = 2_000
 
 
 def lookup_us(bench: Bench) -> dict:
-    """The index lookup alone (``match_counts``, what every placement starts with), on the
-    workload's next prompts: after the timed phase, so it cannot change a placement."""
+    """The index lookup alone (``match_counts``, what every placement starts with, and
+    ``match_slots``, the same answer as arrays by worker slot), on the workload's next
+    prompts: after the timed phase, so it cannot change a placement."""
     prompts = [bench.workload.next().keys for _ in range(LOOKUPS)]
+    index = bench.core.index
+    counts, slots = _timed(index.match_counts, prompts), _timed(index.match_slots, prompts)
+    return {
+        "lookup_p50_us": percentile(counts, 50),
+        "lookup_mean_us": sum(counts) / len(counts),
+        "lookup_slots_p50_us": percentile(slots, 50),
+        "lookup_slots_mean_us": sum(slots) / len(slots),
+    }
+
+
+def _timed(lookup: Callable[[list[int]], object], prompts: list[list[int]]) -> list[float]:
     spent = []
     for keys in prompts:
         started = time.perf_counter()
-        bench.core.index.match_counts(keys)
+        lookup(keys)
         spent.append(1e6 * (time.perf_counter() - started))
-    return {"lookup_p50_us": percentile(spent, 50), "lookup_mean_us": sum(spent) / len(spent)}
+    return spent
+
+
+def memory_after_run(bench: Bench) -> dict:
+    """The index's bytes again after the timed phase: its churn and lookups included."""
+    walked, _ = deep_bytes(bench.core.index)
+    entries = bench.core.index.entries
+    return {"bytes_after_run": walked, "bytes_per_entry_after_run": walked / entries if entries else None}
 
 
 def run_policy(settings: BenchSettings, policy: str, measure_memory: bool = False) -> tuple[dict, dict | None]:
@@ -544,7 +564,7 @@ def run_policy(settings: BenchSettings, policy: str, measure_memory: bool = Fals
     memory = index_memory(bench) if measure_memory else None
     bench.run()
     if memory is not None:
-        memory |= lookup_us(bench)
+        memory |= memory_after_run(bench) | lookup_us(bench)
     summary = bench.summary() | {"fill": fill, "index_entries_after": bench.core.index.entries}
     return summary, memory
 
@@ -641,7 +661,9 @@ def table(results: dict) -> str:
         f"index after the fill: {m['entries']} (block, worker) entries, {m['distinct_blocks']} distinct blocks, "
         f"{m['bytes'] / 2**20:.0f} MiB: {m['bytes_per_entry']:.0f} B/entry, "
         f"{m['bytes_per_distinct_block']:.0f} B/distinct block (approx_bytes {m['approx_bytes'] / 2**20:.0f} MiB)",
-        f"index lookup (match_counts) alone: p50 {m['lookup_p50_us']:.0f} us, mean {m['lookup_mean_us']:.0f} us",
+        f"after the timed phase: {m['bytes_after_run'] / 2**20:.0f} MiB, {m['bytes_per_entry_after_run']:.0f} B/entry",
+        f"index lookup alone: match_counts p50 {m['lookup_p50_us']:.0f} us, mean {m['lookup_mean_us']:.0f} us; "
+        f"match_slots p50 {m['lookup_slots_p50_us']:.0f} us, mean {m['lookup_slots_mean_us']:.0f} us",
         f"load average over the run: {results['load_average']['5m']:.2f} (5 min), on {os.cpu_count()} cores",
         "",
         "| policy | decisions/s | decide only/s | submit p50 ms | submit p99 ms | event p99 ms "

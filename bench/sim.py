@@ -18,7 +18,8 @@ Writes into ``--out``:
 - ``tables.md``: the tables ``docs/bench-sim.md`` shows for a run, made from those two files
   (``bench.simdoc``, which also rewrites the doc's tables).
 - ``ttft_cdf.png``, ``tpot_cdf.png``: the distributions per policy.
-and prints a table.
+and prints a table. ``--sweep 2,1,0.5`` instead runs every policy at each of those time
+scales and writes ``sweep.json`` and load curves (``bench.sweep``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prefix cache per worker, in 512-token blocks (default: its HBM KV capacity)",
     )
     p.add_argument(
+        "--host-cache-blocks",
+        type=non_negative_int,
+        default=0,
+        help="a host-DRAM tier below each worker's device cache, in blocks (0: none); loads cost PCIe time",
+    )
+    p.add_argument(
+        "--disk-cache-blocks",
+        type=non_negative_int,
+        default=0,
+        help="a local-disk tier below the host tier, in blocks (0: none); loads cost NVMe time",
+    )
+    p.add_argument(
+        "--kv-event-delay-s",
+        type=non_negative_float,
+        default=0.05,
+        help="KV event batches and snapshots reach the core this late (in order per worker)",
+    )
+    p.add_argument(
+        "--report-delay-s",
+        type=non_negative_float,
+        default=0.01,
+        help="PrefillDone and RequestFinished reach the core this late (in order per worker)",
+    )
+    p.add_argument(
         "--prefill-token-budget",
         type=positive_int,
         default=65_536,
@@ -94,6 +119,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ttft-slo-s", type=float, default=2.0, help="goodput: time to first token at most this")
     p.add_argument("--tpot-slo-s", type=float, default=0.05, help="goodput: time per output token at most this")
+    p.add_argument(
+        "--sweep",
+        type=time_scales,
+        default=None,
+        metavar="SCALES",
+        help="comma-separated --time-scale values: every policy at every scale, sweep.json and load curves",
+    )
+    p.add_argument("--jobs", type=positive_int, default=2, help="--sweep: runs in this many processes at once")
 
 
 def positive_int(text: str) -> int:
@@ -104,38 +137,86 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def time_scales(text: str) -> list[float]:
+    """``--sweep``: positive time scales, each once, in the order given."""
+    try:
+        scales = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from e
+    if not scales or any(not scale > 0 for scale in scales):
+        raise argparse.ArgumentTypeError(f"time scales must be positive numbers, got {text!r}")
+    if len(set(scales)) != len(scales):
+        raise argparse.ArgumentTypeError(f"a time scale is repeated in {text!r}")
+    return scales
+
+
+def settings_of(args: argparse.Namespace, policy: str, time_scale: float) -> ReplaySettings:
+    """One run's settings, from the command line."""
+    shape = FleetShape(
+        args.prefill,
+        args.decode,
+        args.colocated,
+        args.cache_blocks,
+        args.prefill_token_budget,
+        host_cache_blocks=args.host_cache_blocks,
+        disk_cache_blocks=args.disk_cache_blocks,
+    )
+    return ReplaySettings(
+        policy=policy,
+        shape=shape,
+        cost=CostModel(chunk_tokens=args.chunk_tokens),
+        max_queued_tokens=args.max_queued_tokens,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        seed=args.seed,
+        time_scale=time_scale,
+        kv_event_delay_s=args.kv_event_delay_s,
+        report_delay_s=args.report_delay_s,
+        ttft_slo_s=args.ttft_slo_s,
+        tpot_slo_s=args.tpot_slo_s,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     if args.time_scale <= 0:
         raise ValueError("--time-scale must be positive")
     loaded = time.perf_counter()
     requests = read_trace(args.trace, args.format, args.limit)
+    if args.sweep is not None:
+        from switchyard.bench import sweep
+
+        return sweep.run(args, policies, requests)
     bound = hit_ratio_bound(requests)
     mode = "colocated" if args.colocated else "disaggregated"
-    shape = FleetShape(args.prefill, args.decode, args.colocated, args.cache_blocks, args.prefill_token_budget)
+    shape = settings_of(args, policies[0], args.time_scale).shape
     # What caches of the prefill-capable workers' total size could hold at best: one LRU.
     prefill_capable = args.prefill + args.decode if args.colocated else args.prefill
-    fleet_bound = lru_hit_ratio(requests, prefill_capable * args.cache_blocks)
+    per_worker = args.cache_blocks + args.host_cache_blocks + args.disk_cache_blocks  # every tier
+    fleet_bound = lru_hit_ratio(requests, prefill_capable * per_worker)
     print(
         f"{args.trace.name}: {len(requests)} requests over {_span(requests, args.time_scale):.0f} s "
         f"(read in {time.perf_counter() - loaded:.1f} s), hit ratio bound {bound:.3f} "
-        f"(one LRU of the fleet's {prefill_capable * args.cache_blocks} prefill cache blocks: {fleet_bound:.3f}); "
+        f"(one LRU of the fleet's {prefill_capable * per_worker} prefill cache blocks: {fleet_bound:.3f}); "
         f"{mode} fleet {_describe(shape)}",
         flush=True,
     )
-    cost = CostModel(chunk_tokens=args.chunk_tokens)
     results, timings = [], []
     for policy in policies:
-        settings = ReplaySettings(
-            policy=policy,
-            shape=shape,
-            cost=cost,
-            max_queued_tokens=args.max_queued_tokens,
-            local_prefill_max_tokens=args.local_prefill_max_tokens,
-            seed=args.seed,
-            time_scale=args.time_scale,
-        )
-        result = replay(requests, settings, _progress_printer(policy))
+        result = replay(requests, settings_of(args, policy, args.time_scale), _progress_printer(policy))
         results.append(
             summarize(result, bound, mode, args.ttft_slo_s, args.tpot_slo_s)
             | {"hit_ratio_bound_fleet_cache": fleet_bound}
@@ -178,12 +259,17 @@ def summarize(result: ReplayResult, bound: float, mode: str, ttft_slo_s: float, 
     requests, out = result.requests, result.outcomes
     ttfts, tpots, good = [], [], 0
     prompt = cached = 0
+    by_tier = {"device": 0, "host": 0, "disk": 0}
     arrival = [r.arrival_s * result.settings.time_scale for r in requests]
     for i, request in enumerate(requests):
         if out.first_token[i] < 0:
             continue
         prompt += request.input_tokens
         cached += out.cached[i]
+        served = out.served[i]
+        by_tier["device"] += served.device
+        by_tier["host"] += served.host
+        by_tier["disk"] += served.disk
         if out.status[i] != "done":
             continue
         ttft = out.first_token[i] - arrival[i]
@@ -205,6 +291,10 @@ def summarize(result: ReplayResult, bound: float, mode: str, ttft_slo_s: float, 
         "unfinished": out.status.count("pending"),
         "cache_hit_ratio": cached / prompt if prompt else 0.0,
         "hit_ratio_bound": bound,
+        # prompt tokens served from each tier / prompt tokens prefilled (sums to the hit ratio)
+        "cache_hit_ratio_by_tier": {tier: n / prompt if prompt else 0.0 for tier, n in by_tier.items()},
+        "cached_tokens_by_tier": by_tier,
+        "fetch_s": sum(w.stats.fetch_s for w in result.workers.values()),  # host/disk loads, all workers
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots)):
         for p in (50, 90, 99):
@@ -215,6 +305,8 @@ def summarize(result: ReplayResult, bound: float, mode: str, ttft_slo_s: float, 
     }
     summary |= {
         "goodput_rps": good / span,
+        # requests meeting both SLOs / every request of the trace: a rejected or failed one is a miss
+        "goodput_fraction": good / len(requests) if requests else 0.0,
         "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s},
         "trace_span_s": span,
         "makespan_s": result.makespan_s,
@@ -255,6 +347,10 @@ def _fleet_record(settings: ReplaySettings) -> dict:
     return {
         "roles": dict(sorted(_count_roles(shape).items())),
         "cache_blocks": shape.cache_blocks,
+        "host_cache_blocks": shape.host_cache_blocks,
+        "disk_cache_blocks": shape.disk_cache_blocks,
+        "kv_event_delay_s": settings.kv_event_delay_s,
+        "report_delay_s": settings.report_delay_s,
         "prefill_token_budget": shape.prefill_token_budget,
         "kv_capacity_tokens": cost.kv_capacity_tokens,
         "chunk_tokens": cost.chunk_tokens,
@@ -274,7 +370,12 @@ def _count_roles(shape: FleetShape) -> dict[str, int]:
 
 def _describe(shape: FleetShape) -> str:
     roles = ", ".join(f"{n} {role}" for role, n in _count_roles(shape).items())
-    return f"({roles}; {shape.cache_blocks} cache blocks each)"
+    tiers = f"{shape.cache_blocks} device"
+    if shape.host_cache_blocks:
+        tiers += f" + {shape.host_cache_blocks} host"
+    if shape.disk_cache_blocks:
+        tiers += f" + {shape.disk_cache_blocks} disk"
+    return f"({roles}; {tiers} cache blocks each)"
 
 
 def _span(requests: list[TraceRequest], scale: float) -> float:
@@ -303,24 +404,27 @@ def table(results: list[dict], timings: list[dict]) -> str:
         return f"{x * 1e3:>8.0f}" if x is not None else f"{'-':>8}"
 
     head = (
-        f"{'policy':<20}{'mode':<14}{'hit':>6}{'bound':>6}{'fleet':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
-        f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}{'goodput':>8}{'rej':>6}{'wall s':>7}{'dec/s':>8}{'B/blk':>6}"
+        f"{'policy':<20}{'mode':<14}{'hit':>6}{'h+d':>6}{'bound':>6}{'fleet':>6}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+        f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}{'goodput':>8}{'good%':>6}{'rej':>6}{'wall s':>7}{'dec/s':>8}{'B/blk':>6}"
     )
     lines = [
         "",
-        "times in ms; goodput in requests/s meeting the SLOs; dec/s = core decisions per wall second;",
-        "bound: infinite cache; fleet: one LRU as large as all prefill caches together",
+        "times in ms; goodput in requests/s meeting the SLOs, good% of all requests (rejected ones miss);",
+        "dec/s = core decisions per wall second;",
+        "h+d: the part of hit served from host or disk tiers; bound: infinite cache;",
+        "fleet: one LRU as large as all prefill caches together (every tier)",
         head,
     ]
     for r, t in zip(results, timings, strict=True):
         per_block = f"{r['index_bytes_per_block']:>6.0f}" if r["index_bytes_per_block"] else f"{'-':>6}"
         rate = f"{t['decisions_per_s']:>8.0f}" if t["decisions_per_s"] else f"{'-':>8}"
+        off_device = r["cache_hit_ratio_by_tier"]["host"] + r["cache_hit_ratio_by_tier"]["disk"]
         lines.append(
-            f"{r['policy']:<20}{r['mode']:<14}{r['cache_hit_ratio']:>6.3f}{r['hit_ratio_bound']:>6.3f}"
+            f"{r['policy']:<20}{r['mode']:<14}{r['cache_hit_ratio']:>6.3f}{off_device:>6.3f}{r['hit_ratio_bound']:>6.3f}"
             f"{r.get('hit_ratio_bound_fleet_cache', float('nan')):>6.3f}"
             f"{ms(r['ttft_p50_s']):>9}{ms(r['ttft_p90_s'])}{ms(r['ttft_p99_s'])}"
             f"{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p90_s'])}{ms(r['tpot_p99_s'])}"
-            f"{r['goodput_rps']:>8.2f}{r['rejected']:>6}{t['wall_s']:>7.1f}{rate}{per_block}"
+            f"{r['goodput_rps']:>8.2f}{r['goodput_fraction']:>6.1%}{r['rejected']:>6}{t['wall_s']:>7.1f}{rate}{per_block}"
         )
     return "\n".join(lines)
 
@@ -343,4 +447,4 @@ def plot_cdfs(results: list[dict], out: Path) -> None:
         )
 
 
-__all__ = ["add_arguments", "parse_policies", "positive_int", "run", "summarize", "table"]
+__all__ = ["add_arguments", "parse_policies", "positive_int", "run", "settings_of", "summarize", "table"]

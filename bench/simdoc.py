@@ -38,6 +38,7 @@ RESULTS = Path("docs/bench-sim.results.json")
 _BLOCK = re.compile(r"^<!-- bench-sim:begin (?P<name>\S+) -->\n.*?^<!-- bench-sim:end (?P=name) -->$", re.S | re.M)
 _BEGIN = re.compile(r"^<!-- bench-sim:begin (\S+) -->$", re.M)
 _ROLE_ORDER = ("prefill", "decode", "both")
+_TIERS = ("device", "host", "disk")
 
 
 class DocError(SwitchyardError, ValueError):
@@ -55,20 +56,27 @@ def tables(run: dict) -> str:
 def policy_table(results: list[dict]) -> str:
     """A caption (the trace and the fleet), then one row per policy; from results.json alone."""
     local = any(r["dispatches"].get("local") for r in results)
+    # Columns that runs older than host/disk tiers and goodput_fraction lack are left out for them.
+    tiered = any(_tier_blocks(r["fleet"]) for r in results)
+    fraction = all("goodput_fraction" in r for r in results)
     head = (
-        "| policy | hit | bound | fleet LRU | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms "
-        f"| goodput req/s | rejected |{' local prefills |' if local else ''} index entries | B/block |"
+        f"| policy | hit |{' hit device / host / disk |' if tiered else ''} bound | fleet LRU "
+        "| TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms "
+        f"| goodput req/s |{' goodput % |' if fraction else ''} rejected |{' local prefills |' if local else ''} "
+        "index entries | B/block |"
     )
     lines = [_caption(results[0]), "", head, "|---" * head.count(" |") + "|"]
     for r in results:
         cells = [
             r["policy"],
             f"{r['cache_hit_ratio']:.3f}",
+            *([" / ".join(f"{r['cache_hit_ratio_by_tier'][t]:.3f}" for t in _TIERS)] if tiered else []),
             f"{r['hit_ratio_bound']:.3f}",
             f"{r['hit_ratio_bound_fleet_cache']:.3f}",
             " / ".join(_ms(r[f"ttft_p{p}_s"]) for p in (50, 90, 99)),
             " / ".join(_ms(r[f"tpot_p{p}_s"]) for p in (50, 90, 99)),
             f"{r['goodput_rps']:.2f}",
+            *([f"{r['goodput_fraction']:.1%}".replace("%", "")] if fraction else []),
             f"{r['rejected']:,}",
             *([f"{r['dispatches'].get('local', 0):,}"] if local else []),
             f"{r['index_entries']:,}",
@@ -94,14 +102,32 @@ def _caption(r: dict) -> str:
     roles = " + ".join(f"{fleet['roles'][role]:,} `{role}`" for role in _ROLE_ORDER if role in fleet["roles"])
     parts = [
         f"{r['requests']:,} requests over {r['trace_span_s']:,.0f} s ({r['requests'] / r['trace_span_s']:.2f} req/s)",
-        f"{r['mode']}, {roles} workers, {fleet['cache_blocks']:,} cache blocks each",
+        f"{r['mode']}, {roles} workers, {_cache(fleet)} cache blocks each",
     ]
+    if fleet.get("kv_event_delay_s") or fleet.get("report_delay_s"):  # absent from older runs
+        parts.append(
+            f"KV events reach the core {fleet['kv_event_delay_s'] * 1e3:g} ms late, "
+            f"worker events {fleet['report_delay_s'] * 1e3:g} ms"
+        )
     if fleet["time_scale"] != 1:
         parts.append(f"time scale {fleet['time_scale']:g}")
     if fleet["local_prefill_max_tokens"]:
         parts.append(f"local prefill up to {fleet['local_prefill_max_tokens']:,} uncached tokens")
     parts.append(f"goodput: TTFT <= {r['slo']['ttft_s']:g} s and TPOT <= {r['slo']['tpot_s'] * 1e3:g} ms")
     return "; ".join(parts) + "."
+
+
+def _tier_blocks(fleet: dict) -> int:
+    """Host and disk blocks a worker of this fleet has (0 for runs from before tiers)."""
+    return fleet.get("host_cache_blocks", 0) + fleet.get("disk_cache_blocks", 0)
+
+
+def _cache(fleet: dict) -> str:
+    if not _tier_blocks(fleet):
+        return f"{fleet['cache_blocks']:,}"
+    tiers = [f"{fleet['cache_blocks']:,} device"]
+    tiers += [f"{fleet[f'{t}_cache_blocks']:,} {t}" for t in ("host", "disk") if fleet[f"{t}_cache_blocks"]]
+    return " + ".join(tiers)
 
 
 def _ms(seconds: float | None) -> str:

@@ -14,40 +14,67 @@ Contract (what the scheduler core relies on):
 - Memory is bounded by ``max_entries`` (key, worker) pairs; past it, the least recently
   stored or matched keys are dropped (the index may then under-report, never over-report).
 
-Design
-------
-- ``_holders``: block key -> {worker: tier bits}, an ``OrderedDict`` in LRU order
-  (oldest first). A batch with ``seq <= last`` is a duplicate (or already reflected in the
-  snapshot that was loaded) and is ignored; each event sets a (key, tier) present or
-  absent, so replaying a batch on a state that already has its effects changes nothing.
-- ``_held``: worker -> the keys it holds, so forgetting or re-snapshotting a worker
-  costs its own entries, not the whole index.
-- ``_cluster``: key -> how many known workers report it on the ``cluster`` tier (a
-  shared store such as Mooncake). Reports are attributed to their worker like any other,
-  so a snapshot replaces them and a forgotten worker's reports go with it; the block
-  counts as reachable while at least one known worker still reports it.
-- ``match`` walks the prompt's keys in order, keeping the set of workers still matching
-  and dropping a worker at the first key it lacks; while every key so far is in the
-  cluster tier everybody matches, implicitly. Each step costs the workers still
-  matching, so a lookup costs the pairs it matches, never workers x blocks.
-- Keys of one ``BlocksStored`` are touched back to front, so a prefix is always more
-  recent than its extensions and the LRU drops leaves first: a key whose parent is
-  gone can never be matched again, so keeping it would waste the bound.
+Design: no Python object per key
+--------------------------------
+- **Workers are bits.** Each known worker has a slot (``_slot``, reused after it is
+  forgotten); a set of workers is a Python int with those bits set.
+- **One open-addressed table** (linear probing, a power-of-two capacity, Fibonacci
+  hashing) in four flat ``array.array`` columns: the 64-bit key, its LRU stamp, its
+  holder, its tier bits (device/host/disk/cluster). ``array`` and not numpy for the
+  columns because one element read is a Python int, three times faster than a numpy
+  scalar, and this table is read one key at a time; numpy views of the same buffers
+  (``np.frombuffer``) do the whole-table sweeps: rebuilding, forgetting a worker,
+  choosing what to evict. A removed key leaves a tombstone; the table is rebuilt (in
+  numpy) once keys and tombstones fill 80% of it, at a size that puts its load back
+  between 35% and 70%.
+- **Sparse holders.** Most keys have one holder: its worker slot and its tier bits sit
+  in the table. A key held by several workers is marked ``_MULTI`` and its holders are
+  four worker masks, one per tier, in ``_multi`` (key -> [device, host, disk, cluster]);
+  it goes back inline when one holder is left. A key is in the cluster tier while any
+  holder reports it there, so a forgotten worker's reports go with it.
+- **match** ANDs masks along the prompt: the workers still matching on any tier and on
+  the device tier are two ints; a key in the cluster tier keeps everybody still matching;
+  the workers that stop at block ``i`` are ``before & ~after``, and only those are ever
+  turned back into worker ids. A lookup costs a probe and a few big-int operations a
+  block, whatever the fleet's size, plus one dict entry per worker it reports (``_Names``
+  makes those cheap). ``match_slots`` answers the same as two arrays by worker slot
+  (``worker_slots``), for a caller that scores the fleet as arrays: no ids at all.
+- **LRU as stamps.** Every store or match of a key gives it the next stamp; eviction
+  takes the smallest. Candidates are the smallest ``1/64`` of the live stamps, found
+  with one ``argpartition`` and consumed in order; a candidate whose stamp changed since
+  (touched, removed, stored again) is skipped, and stamps only grow, so each eviction
+  takes exactly the least recently used key, as a linked list would. Keys of one
+  ``BlocksStored`` are stamped back to front, so a prefix is always more recent than its
+  extensions and the LRU drops leaves first: a key whose parent is gone can never be
+  matched again, so keeping it would waste the bound.
+- Forgetting, clearing or re-snapshotting a worker sweeps the table's holder column
+  (numpy, a few ms at 2M slots) and the multi-holder keys (Python): rare events, so no
+  per-worker key set is kept.
+- Keys outside ``[0, 2**64)`` (no block hash is) are never stored, so never matched.
 
-Measured (CPython 3.11, tracemalloc, 64-bit keys decoded off the wire): about 370 bytes
-for a key one worker holds (the LRU entry and node ~105, the key int ~32, the holder dict
-~184, the per-worker set ~45), and about 80 more for each further worker holding it: so
-~370 bytes per (key, worker) pair in a fleet whose workers hold different prefixes, ~150
-where four workers share them. ``approx_bytes`` reproduces this within about 20%.
+Measured (``bench scheduler``: ``sys.getsizeof`` over every object reachable from the
+index, CPython 3.11): 21 bytes a table slot, so 30-60 bytes a key as the table's load
+goes from 70% to 35%, plus about 170 for a key several workers hold (its four masks in a
+list, the key as an int, a dict entry; more for masks of hundreds of workers). The
+bench's fleet (750 prefill workers, 980k pairs on 931k keys, 105 of them held by several
+workers, in 2M slots): 42 MiB, 45 B a pair and 47 B a distinct block, against 393 and
+414 with the ``OrderedDict`` of holder dicts this replaced; ``match_counts`` 46 us at
+p50 against 423. ``bench sim``'s six workers share most keys: 90 B a pair there (339
+before). ``_Names`` keeps up to 32 maps of a prefix's workers besides (~40 KB each at
+1,000 workers). ``approx_bytes`` adds up the columns and samples the multi-holder keys.
 """
 
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from switchyard.schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot
 
@@ -55,9 +82,20 @@ DEVICE, HOST, DISK, CLUSTER = 1, 2, 4, 8
 OWN = DEVICE | HOST | DISK  # tiers private to one worker
 ALL_TIERS = OWN | CLUSTER
 TIER_BITS = {"device": DEVICE, "host": HOST, "disk": DISK, "cluster": CLUSTER}
+_TIER_ORDER = (DEVICE, HOST, DISK, CLUSTER)  # the order of a multi-holder key's masks
 
-_SAMPLE = 256  # holder dicts sampled by approx_bytes
-_KEY_BYTES = sys.getsizeof(1 << 63)  # a 64-bit block key as a Python int
+# The holder column: a worker slot (>= 0), or one of these.
+_EMPTY, _TOMB, _MULTI = -1, -2, -3
+
+_KEY_LIMIT = 1 << 64
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio: Fibonacci hashing
+_MIN_BITS = 4  # 16 slots at least
+_MAX_USED = 0.8  # rebuild once keys and tombstones fill this share of the table
+_MAX_LOAD = 0.7  # a rebuilt table is at most this full (and more than half that)
+_VICTIM_SHARE = 64  # eviction candidates: the least recent 1/64 of the keys
+_SAMPLE = 256  # multi-holder keys sampled by approx_bytes
+_DECODE_LOOP = 16  # masks of at most this many workers are decoded bit by bit
+_KEPT_NAMES = 32  # fleet-wide maps _Names keeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +110,28 @@ class PrefixIndex:
         if max_entries < 1:
             raise ValueError(f"max_entries must be positive, got {max_entries}")
         self.max_entries = max_entries
-        self._holders: OrderedDict[int, dict[str, int]] = OrderedDict()  # LRU order, oldest first
-        self._held: dict[str, set[int]] = {}  # known workers -> keys they hold on some tier
         self._seq: dict[str, int] = {}  # known workers -> seq of the last batch applied
-        self._cluster: dict[int, int] = {}  # key -> known workers reporting it on the cluster tier
+        self._slot: dict[str, int] = {}  # known workers -> their bit
+        self._ids: list[str | None] = []  # bit -> worker (None: free)
+        self._known = 0  # the mask of every known worker
+        self._multi: dict[int, list[int]] = {}  # key held by 2+ workers -> a worker mask per tier
         self._pairs = 0
+        self._live = 0  # keys in the table
+        self._tombs = 0
+        self._clock = 0  # the last stamp given
+        self._victims: list[tuple[int, int]] = []  # (stamp, key), least recent last
+        self._names = _Names()
+        self._allocate(_MIN_BITS)
+
+    def _allocate(self, bits: int) -> None:
+        size = 1 << bits
+        self._bits, self._mask, self._shift = bits, size - 1, 64 - bits
+        self._max_used = int(_MAX_USED * size)
+        # Repeated, not built from bytes: an array grown from bytes is over-allocated by 1/16.
+        self._keys = array("Q", [0]) * size
+        self._stamp = array("q", [0]) * size
+        self._holder = array("i", [_EMPTY]) * size
+        self._tiers = array("B", [0]) * size
 
     # --- updates -----------------------------------------------------------------
 
@@ -86,30 +141,46 @@ class PrefixIndex:
             return False  # never snapshotted, or we missed a batch: nothing applies
         if batch.seq <= last:
             return True  # a duplicate, or already in the snapshot we loaded
-        worker = sys.intern(batch.worker_id)  # one str shared by all its holder entries
+        worker = self._slot[batch.worker_id]
         for event in batch.events:
             self._apply_event(worker, event)
-        self._seq[worker] = batch.seq
+        self._seq[batch.worker_id] = batch.seq
         return True
 
     def load_snapshot(self, snapshot: KvSnapshot) -> None:
-        worker = sys.intern(snapshot.worker_id)
-        if worker in self._held:
-            self._clear(worker)
+        worker = self._slot.get(snapshot.worker_id)
+        if worker is None:
+            worker = self._join(sys.intern(snapshot.worker_id))  # one str shared with the core's
         else:
-            self._held[worker] = set()
-        self._seq[worker] = snapshot.seq
+            self._clear(worker)
+        self._seq[self._ids[worker]] = snapshot.seq  # type: ignore[index]
         for tier, keys in snapshot.blocks.items():
             bit = TIER_BITS.get(tier)
             if bit is not None:  # a tier this scheduler does not know (a newer worker): skipped
                 self._store(worker, keys, bit)
 
     def forget_worker(self, worker_id: str) -> None:
-        if worker_id in self._held:
-            self._clear(worker_id)
-            del self._held[worker_id], self._seq[worker_id]
+        worker = self._slot.pop(worker_id, None)
+        if worker is not None:
+            self._clear(worker)
+            del self._seq[worker_id]
+            self._ids[worker] = None
+            self._known &= ~(1 << worker)
+            self._names.clear()
 
-    def _apply_event(self, worker: str, event: KvEvent) -> None:
+    def _join(self, worker_id: str) -> int:
+        """The lowest free bit for a new worker (so masks stay as short as the fleet)."""
+        free = next((i for i, w in enumerate(self._ids) if w is None), len(self._ids))
+        if free == len(self._ids):
+            self._ids.append(worker_id)
+        else:
+            self._ids[free] = worker_id
+        self._slot[worker_id] = free
+        self._known |= 1 << free
+        self._names.clear()
+        return free
+
+    def _apply_event(self, worker: int, event: KvEvent) -> None:
         match event:
             case BlocksStored(keys=keys, tier=tier):
                 self._store(worker, keys, TIER_BITS[tier])
@@ -119,61 +190,181 @@ class PrefixIndex:
             case AllBlocksCleared():
                 self._clear(worker)  # everything it reported, every tier
 
-    def _store(self, worker: str, keys: list[int], bit: int) -> None:
+    def _store(self, worker: int, keys: list[int], bit: int) -> None:
+        self._reserve(len(keys))  # no rebuild in the loop: the columns stay these
+        holder, tiers, stamp = self._holder, self._tiers, self._stamp
         # Back to front: the prefix ends up more recent than its extensions (see the note).
         for key in reversed(keys):
-            holders = self._holders.get(key)
-            if holders is None:
-                holders = self._holders[key] = {}
+            if not 0 <= key < _KEY_LIMIT:
+                continue  # not a block hash: never stored, so never matched
+            slot = self._probe(key)
+            if slot < 0:
+                slot = self._insert(-1 - slot, key, worker, bit)
+            elif holder[slot] == worker:
+                tiers[slot] |= bit  # the common case of a key it holds already
             else:
-                self._holders.move_to_end(key)
-            self._set(worker, key, holders, bit)
-            self._evict_over_bound()
+                self._add_holder(slot, key, worker, bit)
+            self._clock += 1
+            stamp[slot] = self._clock
+            if self._pairs > self.max_entries:
+                self._evict_over_bound()
 
-    def _set(self, worker: str, key: int, holders: dict[str, int], bit: int) -> None:
-        old = holders.get(worker, 0)
-        if old == 0:
-            self._held[worker].add(key)
+    def _add_holder(self, slot: int, key: int, worker: int, bit: int) -> None:
+        """``worker`` stores ``key``, which others hold."""
+        holder = self._holder[slot]
+        if holder == _MULTI:
+            masks = self._multi[key]
+            if not (masks[0] | masks[1] | masks[2] | masks[3]) >> worker & 1:
+                self._pairs += 1
+            masks[_TIER_ORDER.index(bit)] |= 1 << worker
+        else:  # a second holder: the key's holders move out of the table
+            masks = [0, 0, 0, 0]
+            for i, tier in enumerate(_TIER_ORDER):
+                masks[i] = (1 << holder if self._tiers[slot] & tier else 0) | (1 << worker if bit == tier else 0)
+            self._multi[key] = masks
+            self._holder[slot], self._tiers[slot] = _MULTI, 0
             self._pairs += 1
-        if bit == CLUSTER and not old & CLUSTER:
-            self._cluster[key] = self._cluster.get(key, 0) + 1
-        holders[worker] = old | bit
 
-    def _unset(self, worker: str, key: int, bits: int) -> None:
-        holders = self._holders.get(key)
-        if holders is None or not holders.get(worker, 0) & bits:
+    def _unset(self, worker: int, key: int, bits: int) -> None:
+        slot = self._probe(key)
+        if slot < 0:
             return
-        old = holders[worker]
-        if old & bits & CLUSTER:
-            self._uncount_cluster(key)
-        if old & ~bits:
-            holders[worker] = old & ~bits
+        holder = self._holder[slot]
+        if holder == worker:
+            left = self._tiers[slot] & ~bits
+            if left:
+                self._tiers[slot] = left
+            else:
+                self._delete(slot)
+        elif holder == _MULTI:
+            self._unset_multi(slot, key, worker, bits)
+
+    def _unset_multi(self, slot: int, key: int, worker: int, bits: int) -> None:
+        masks, me = self._multi[key], 1 << worker
+        if not sum_masks(masks) & me:
+            return  # not one of its holders
+        for i, tier in enumerate(_TIER_ORDER):
+            if bits & tier:
+                masks[i] &= ~me
+        held = masks[0] | masks[1] | masks[2] | masks[3]
+        if held & me:
             return
-        del holders[worker]
-        self._held[worker].discard(key)
         self._pairs -= 1
-        if not holders:
-            del self._holders[key]
+        if held & (held - 1) == 0:  # one holder left: back into the table
+            del self._multi[key]
+            self._holder[slot] = held.bit_length() - 1
+            self._tiers[slot] = sum(tier for i, tier in enumerate(_TIER_ORDER) if masks[i])
 
-    def _uncount_cluster(self, key: int) -> None:
-        left = self._cluster[key] - 1
-        if left:
-            self._cluster[key] = left
-        else:
-            del self._cluster[key]
+    def _clear(self, worker: int) -> None:
+        """Everything ``worker`` holds, every tier: a sweep of the table, then of the
+        multi-holder keys."""
+        holders = np.frombuffer(self._holder, dtype=np.int32)
+        mine = np.flatnonzero(holders == worker)
+        holders[mine] = _TOMB
+        del holders  # the array may not be resized while numpy sees its buffer
+        self._live -= len(mine)
+        self._tombs += len(mine)
+        self._pairs -= len(mine)
+        me = 1 << worker
+        for key in [k for k, m in self._multi.items() if (m[0] | m[1] | m[2] | m[3]) & me]:
+            self._unset_multi(self._probe(key), key, worker, ALL_TIERS)
 
-    def _clear(self, worker: str) -> None:
-        for key in list(self._held[worker]):
-            self._unset(worker, key, ALL_TIERS)
-        assert not self._held[worker]
+    def _delete(self, slot: int) -> None:
+        self._holder[slot] = _TOMB
+        self._live -= 1
+        self._tombs += 1
+        self._pairs -= 1
 
     def _evict_over_bound(self) -> None:
         while self._pairs > self.max_entries:
-            key, holders = self._holders.popitem(last=False)
-            for worker in holders:
-                self._held[worker].discard(key)
-            self._cluster.pop(key, None)
-            self._pairs -= len(holders)
+            slot, key = self._least_recent()
+            if self._holder[slot] == _MULTI:
+                self._pairs -= sum_masks(self._multi.pop(key)).bit_count() - 1  # _delete counts one
+            self._delete(slot)
+
+    def _least_recent(self) -> tuple[int, int]:
+        """The slot and key of the least recently stamped key (see the note)."""
+        while True:
+            if not self._victims:
+                self._pick_victims()
+            stamp, key = self._victims.pop()
+            slot = self._probe(key)
+            if slot >= 0 and self._stamp[slot] == stamp:
+                return slot, key
+
+    def _pick_victims(self) -> None:
+        live = self._live_slots()
+        stamps = np.frombuffer(self._stamp, dtype=np.int64)[live]
+        n = min(len(live), max(16, len(live) // _VICTIM_SHARE))
+        chosen = np.argpartition(stamps, n - 1)[:n] if n < len(live) else np.arange(len(live))
+        keys = np.frombuffer(self._keys, dtype=np.uint64)[live[chosen]]
+        self._victims = sorted(zip(stamps[chosen].tolist(), keys.tolist(), strict=True), reverse=True)
+
+    def _live_slots(self) -> npt.NDArray[np.intp]:
+        holders = np.frombuffer(self._holder, dtype=np.int32)
+        return np.flatnonzero((holders != _EMPTY) & (holders != _TOMB))
+
+    # --- the table ---------------------------------------------------------------
+
+    def _probe(self, key: int) -> int:
+        """The slot holding ``key``; if none does, ``-1 - slot`` for the slot it would
+        take: the first tombstone or free slot on its probe. One probe for both, since most
+        stored keys are new."""
+        keys, holder, mask = self._keys, self._holder, self._mask
+        i = ((key * _GOLDEN) & (_KEY_LIMIT - 1)) >> self._shift
+        reuse = -1
+        while True:
+            h = holder[i]
+            if h == _EMPTY:
+                return -1 - (i if reuse < 0 else reuse)
+            if h == _TOMB:
+                if reuse < 0:
+                    reuse = i
+            elif keys[i] == key:
+                return i
+            i = (i + 1) & mask
+
+    def _reserve(self, new_keys: int) -> None:
+        """Room for ``new_keys`` more keys (at most: some may be in already) without a
+        rebuild: one now if they would fill the table past ``_MAX_USED``."""
+        if self._live + self._tombs + new_keys > self._max_used:
+            self._rebuild(self._live + new_keys)
+
+    def _insert(self, slot: int, key: int, worker: int, bit: int) -> int:
+        """A new key, held by ``worker`` on ``bit``, at the free ``slot`` its probe found
+        (``_reserve`` made the room)."""
+        if self._holder[slot] == _TOMB:
+            self._tombs -= 1
+        self._keys[slot], self._holder[slot], self._tiers[slot] = key, worker, bit
+        self._live += 1
+        self._pairs += 1
+        return slot
+
+    def _rebuild(self, keys_needed: int) -> None:
+        """A fresh table, without tombstones, at most ``_MAX_LOAD`` full once it holds
+        ``keys_needed``; placed in numpy, a round per probe step."""
+        live = self._live_slots()
+        columns: list[npt.NDArray[Any]] = [np.frombuffer(c, dtype=d)[live] for c, d in self._columns()]
+        bits = _MIN_BITS
+        while keys_needed > _MAX_LOAD * (1 << bits):
+            bits += 1
+        self._allocate(bits)
+        slots = _place(columns[0], bits)
+        for (column, dtype), values in zip(self._columns(), columns, strict=True):
+            np.frombuffer(column, dtype=dtype)[slots] = values
+        self._tombs = 0  # (the eviction candidates name keys, not slots: they stay good)
+
+    def _columns(self) -> list[tuple[array[int], type]]:
+        return [(self._keys, np.uint64), (self._stamp, np.int64), (self._holder, np.int32), (self._tiers, np.uint8)]
+
+    def _holders_of(self, slot: int, key: int) -> tuple[int, int, bool]:
+        """(device mask, own-tier mask, in the cluster tier) of the key at ``slot``."""
+        holder = self._holder[slot]
+        if holder == _MULTI:
+            device, host, disk, cluster = self._multi[key]
+            return device, device | host | disk, cluster != 0
+        tiers, me = self._tiers[slot], 1 << holder
+        return (me if tiers & DEVICE else 0), (me if tiers & OWN else 0), tiers & CLUSTER != 0
 
     # --- queries -----------------------------------------------------------------
 
@@ -194,17 +385,43 @@ class PrefixIndex:
         """``match`` as two plain maps, worker -> leading blocks on any tier and on its
         device tier (a worker absent or at 0 matched nothing): what placement reads,
         without an object per worker when a prefix is held fleet-wide."""
-        wanted = self._seq.keys() if workers is None else self._seq.keys() & set(workers)
-        walk = _Walk(wanted)
-        end = 0
-        for key in block_keys:
-            holders = self._holders.get(key)
-            if holders is None or not walk.step(end, holders, key in self._cluster):
+        walk = self._walk(block_keys, self._wanted(workers))
+        names, ids = self._names, self._ids
+        return names.counts(walk.stopped, ids, block_keys), names.counts(walk.device_stopped, ids, block_keys)
+
+    def match_slots(
+        self, block_keys: list[int], workers: Iterable[str] | None = None
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """``match_counts`` as two arrays by worker slot (``worker_slots``): leading blocks
+        on any tier and on the device tier, 0 for a worker that matched nothing or a free
+        slot. For a caller that scores the fleet as arrays: no worker id is looked at."""
+        walk = self._walk(block_keys, self._wanted(workers))
+        return _by_slot(walk.stopped, len(self._ids)), _by_slot(walk.device_stopped, len(self._ids))
+
+    def worker_slots(self) -> list[str | None]:
+        """Slot -> worker id (None: free), the index of ``match_slots``' arrays. A slot keeps
+        its worker until the worker is forgotten; a new worker takes the lowest free one."""
+        return list(self._ids)
+
+    def _wanted(self, workers: Iterable[str] | None) -> int:
+        if workers is None:
+            return self._known
+        slots = (self._slot.get(w) for w in workers)
+        return sum_masks({1 << s for s in slots if s is not None})
+
+    def _walk(self, block_keys: list[int], wanted: int) -> _Walk:
+        walk = _Walk(reach=wanted, device=wanted)
+        slots = []
+        for i, key in enumerate(block_keys):
+            slot = self._probe(key)
+            if slot < 0 or not walk.step(i, *self._holders_of(slot, key)):
                 break
-            end += 1
-        for key in reversed(block_keys[:end]):  # a hit is a use: the prefix stays the newest
-            self._holders.move_to_end(key)
-        return walk.counts(end)
+            slots.append(slot)
+        walk.finish(len(slots))
+        for slot in reversed(slots):  # a hit is a use: the prefix stays the newest
+            self._clock += 1
+            self._stamp[slot] = self._clock
+        return walk
 
     @property
     def entries(self) -> int:
@@ -212,80 +429,169 @@ class PrefixIndex:
         return self._pairs
 
     def approx_bytes(self) -> int:
-        """Memory held, from ``sys.getsizeof``: the containers exactly, each key's holder
-        dict from a sample. It leaves out allocator rounding (tracemalloc reads about 10%
-        more) and the worker id strings (shared, one per worker)."""
-        sample = [sys.getsizeof(h) for h in islice(self._holders.values(), _SAMPLE)]
-        per_key = _KEY_BYTES + (sum(sample) / len(sample) if sample else 0)
-        containers = sum(sys.getsizeof(c) for c in (self._holders, self._held, self._seq, self._cluster))
-        sets = sum(sys.getsizeof(keys) for keys in self._held.values())
-        return int(containers + sets + len(self._holders) * per_key)
+        """Memory held, from ``sys.getsizeof``: the table's columns exactly, the
+        multi-holder keys from a sample. It leaves out the worker id strings (shared, one
+        per worker)."""
+        columns = sum(sys.getsizeof(c) for c, _ in self._columns())
+        sample = [_multi_bytes(k, m) for k, m in islice(self._multi.items(), _SAMPLE)]
+        multi = len(self._multi) * sum(sample) / len(sample) if sample else 0
+        maps = sum(sys.getsizeof(c) for c in (self._seq, self._slot, self._ids, self._multi, self._victims))
+        return int(columns + multi + maps)
 
     def check_invariants(self) -> None:
-        """The three maps agree; O(entries): for tests."""
-        pairs = [(k, w) for k, holders in self._holders.items() for w in holders]
-        assert all(holders and all(holders.values()) for holders in self._holders.values())
-        assert len(pairs) == self._pairs == sum(map(len, self._held.values())) <= self.max_entries
-        assert all(k in self._held[w] for k, w in pairs)
-        cluster = {k: sum(bool(b & CLUSTER) for b in h.values()) for k, h in self._holders.items()}
-        assert self._cluster == {k: n for k, n in cluster.items() if n}
-        assert self._held.keys() == self._seq.keys()
+        """The table, the multi-holder keys and the workers agree; O(table): for tests."""
+        holders = self._holder.tolist()
+        live = [i for i, h in enumerate(holders) if h >= 0 or h == _MULTI]
+        assert len(live) == self._live and holders.count(_TOMB) == self._tombs
+        assert self._live + self._tombs <= self._max_used and _EMPTY in holders
+        assert all(self._probe(self._keys[i]) == i for i in live)  # every key reachable, once
+        multi = {self._keys[i] for i in live if holders[i] == _MULTI}
+        assert multi == self._multi.keys()
+        assert all(sum_masks(m) & (sum_masks(m) - 1) for m in self._multi.values())  # 2+ holders
+        assert all(self._tiers[i] and (self._known >> holders[i] & 1) for i in live if holders[i] >= 0)
+        assert all(sum_masks(m) & ~self._known == 0 for m in self._multi.values())
+        pairs = sum(1 if holders[i] >= 0 else sum_masks(self._multi[self._keys[i]]).bit_count() for i in live)
+        assert pairs == self._pairs <= self.max_entries
+        assert self._seq.keys() == self._slot.keys()
+        assert all(self._ids[s] == w for w, s in self._slot.items())
+        assert self._known == sum_masks({1 << s for s in self._slot.values()})
+
+
+def sum_masks(masks: Iterable[int]) -> int:
+    """The union of worker masks."""
+    union = 0
+    for mask in masks:
+        union |= mask
+    return union
+
+
+def _multi_bytes(key: int, masks: list[int]) -> int:
+    # Ints up to 256 are CPython's shared singletons: a mask of the first 8 workers costs nothing.
+    return sys.getsizeof(key) + sys.getsizeof(masks) + sum(sys.getsizeof(m) for m in masks if m > 256)
+
+
+def _place(keys: npt.NDArray[np.uint64], bits: int) -> npt.NDArray[np.int64]:
+    """Slots for distinct ``keys`` in an empty table of ``2**bits``, as inserting them one
+    by one with linear probing would (each at or after its home, with no free slot
+    between): every round, each key still unplaced claims its current slot, the first
+    claimant of a free slot takes it, the others step on."""
+    size = 1 << bits
+    home = (keys * np.uint64(_GOLDEN)) >> np.uint64(64 - bits)  # wraps mod 2**64, as _probe's mask does
+    at = home.astype(np.int64)
+    slots = np.empty(len(keys), dtype=np.int64)
+    taken = np.zeros(size, dtype=bool)
+    pending = np.arange(len(keys))
+    while len(pending):
+        free = ~taken[at[pending]]
+        claim, index = np.unique(at[pending[free]], return_index=True)
+        winners = pending[free][index]
+        slots[winners], taken[claim] = claim, True
+        placed = np.zeros(len(keys), dtype=bool)
+        placed[winners] = True
+        pending = pending[~placed[pending]]
+        at[pending] = (at[pending] + 1) & (size - 1)
+    return slots
+
+
+def _by_slot(stopped: list[tuple[int, int]], slots: int) -> npt.NDArray[np.int32]:
+    counts = np.zeros(slots, dtype=np.int32)
+    for mask, blocks in stopped:
+        raw = np.frombuffer(mask.to_bytes((slots + 7) // 8, "little"), dtype=np.uint8)
+        counts[np.unpackbits(raw, count=slots, bitorder="little").view(bool)] = blocks
+    return counts
+
+
+def _bits_of(mask: int) -> list[int]:
+    """The positions of the set bits of ``mask``, lowest first."""
+    if mask.bit_count() <= _DECODE_LOOP:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+    positions: list[int] = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+    return positions
 
 
 @dataclass(slots=True)
 class _Walk:
-    """One ``match``: who still holds every key so far, and where the others stopped.
+    """One ``match``: the workers still matching, as masks, and where the others stopped.
 
-    Invariant: ``device`` is a subset of ``own`` once ``shared`` is over (holding every
-    key on the device tier implies holding it on some tier).
+    Invariant: ``device`` is a subset of ``reach`` (a key on a worker's device tier is
+    reachable by it).
     """
 
-    wanted: Iterable[str]  # the workers we may report (known ones)
-    shared: bool = True  # every key so far is in the cluster tier: everybody still matches
-    own: set[str] = field(default_factory=set)  # once not shared: still matching on some tier
-    device: set[str] = field(default_factory=set)  # still matching on the device tier
-    blocks: dict[str, int] = field(default_factory=dict)  # worker -> leading blocks, once stopped
-    device_blocks: dict[str, int] = field(default_factory=dict)
+    reach: int  # still matching on some tier (their own, or the cluster's)
+    device: int  # still matching on their device tier
+    stopped: list[tuple[int, int]] = field(default_factory=list)  # (workers, leading blocks they match)
+    device_stopped: list[tuple[int, int]] = field(default_factory=list)  # the same, device tier
 
-    def step(self, i: int, holders: dict[str, int], in_cluster: bool) -> bool:
-        """Take key ``i``; False when no worker can match it (the walk ends)."""
-        self._step_device(i, holders)
-        if in_cluster:
-            return True  # everybody still matching keeps matching
-        if self.shared:
-            self._end_shared_run(i, holders)
-        else:
-            # Not in the cluster tier, so no holder has it there only (``_cluster`` counts every
-            # holder with the cluster bit): holding it at all is holding it on an own tier, and
-            # the workers still matching are an intersection, done in C, not a loop in Python.
-            kept = self.own & holders.keys()
-            self.blocks.update((w, i) for w in self.own - kept)
-            self.own = kept
-        return bool(self.own)
+    def step(self, i: int, device: int, own: int, in_cluster: bool) -> bool:
+        """Take key ``i``; False when no worker can match it (the walk ends before it)."""
+        reach = self.reach if in_cluster else self.reach & own
+        if not reach and not in_cluster:
+            return False
+        self._stop(self.stopped, self.reach & ~reach, i)
+        self.reach = reach
+        kept = self.device & device
+        self._stop(self.device_stopped, self.device & ~kept, i)
+        self.device = kept
+        return True
 
-    def _step_device(self, i: int, holders: dict[str, int]) -> None:
-        if i == 0:
-            self.device = {w for w, bits in holders.items() if bits & DEVICE and w in self.wanted}
-        else:
-            self.device = self._keep(self.device, holders, DEVICE, i, self.device_blocks)
-
-    def _end_shared_run(self, i: int, holders: dict[str, int]) -> None:
-        """Key ``i`` is the first outside the cluster tier: from here, only its own holders go on."""
-        self.shared = False
-        self.own = holders.keys() & self.wanted  # every holder has it on an own tier (see ``step``)
-        if i > 0:  # the others matched the cluster run only
-            self.blocks.update((w, i) for w in self.wanted if w not in self.own)
+    def finish(self, end: int) -> None:
+        if end:
+            self.stopped.append((self.reach, end))
+            self.device_stopped.append((self.device, end))
 
     @staticmethod
-    def _keep(workers: set[str], holders: dict[str, int], bits: int, i: int, stopped: dict[str, int]) -> set[str]:
-        held = holders.get  # bound once: this loop runs once a worker still matching, a block
-        kept = {w for w in workers if held(w, 0) & bits}
-        stopped.update((w, i) for w in workers - kept)
-        return kept
+    def _stop(stopped: list[tuple[int, int]], workers: int, blocks: int) -> None:
+        if workers and blocks:  # stopping at 0 is matching nothing: not reported
+            stopped.append((workers, blocks))
 
-    def counts(self, end: int) -> tuple[dict[str, int], dict[str, int]]:
-        if end == 0:
-            return {}, {}
-        self.device_blocks.update((w, end) for w in self.device)
-        self.blocks.update((w, end) for w in (self.wanted if self.shared else self.own))
-        return self.blocks, self.device_blocks
+
+class _Names:
+    """Worker masks back to ``{worker id: blocks}``, the shape ``match_counts`` returns.
+
+    A prefix held fleet-wide (a system prompt) stops hundreds of workers at its end,
+    each lookup a slightly different set of them as caches churn. Building that map costs
+    ~40 us at 750 workers, copying one ~4: so the last map built for each prefix is kept
+    (``_KEPT_NAMES`` of them, ~40 KB each at 750 workers), and a mask close to its mask
+    starts from a copy and fixes the difference. The worker of a bit changes only on a
+    join or a departure, which drops them all (``clear``).
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[int, dict[str, int]]] = {}  # last key of the prefix -> (mask, map)
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def counts(self, stopped: list[tuple[int, int]], ids: list[str | None], keys: list[int]) -> dict[str, int]:
+        """``stopped`` as a map; ``keys`` are the prompt's, which name the prefixes."""
+        out: dict[str, int] = {}
+        for mask, blocks in stopped:
+            if mask.bit_count() <= _DECODE_LOOP:
+                for slot in _bits_of(mask):
+                    out[ids[slot]] = blocks  # type: ignore[index]
+            elif out:
+                out.update(self._named(mask, blocks, ids, keys[blocks - 1]))
+            else:
+                out = self._named(mask, blocks, ids, keys[blocks - 1])
+        return out
+
+    def _named(self, mask: int, blocks: int, ids: list[str | None], prefix: int) -> dict[str, int]:
+        """A new map of the workers of ``mask`` to ``blocks``, the length of ``prefix``."""
+        kept_mask, kept = self._kept.get(prefix, (0, {}))
+        if 4 * (kept_mask ^ mask).bit_count() < mask.bit_count():
+            named = kept.copy()
+            for slot in _bits_of(kept_mask & ~mask):
+                del named[ids[slot]]  # type: ignore[arg-type]
+            named.update(dict.fromkeys([ids[slot] for slot in _bits_of(mask & ~kept_mask)], blocks))  # type: ignore[misc]
+            return named
+        if len(self._kept) >= _KEPT_NAMES:
+            self._kept.clear()
+        named = dict.fromkeys([ids[slot] for slot in _bits_of(mask)], blocks)  # type: ignore[misc]
+        self._kept[prefix] = (mask, named)
+        return named.copy()

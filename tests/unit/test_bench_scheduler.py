@@ -23,7 +23,8 @@ def test_results_have_every_figure_per_policy() -> None:
     assert index["entries"] == index["entries_by_caches"]  # the index agrees with the workers' caches
     assert 0 < index["distinct_blocks"] <= index["entries"]
     assert index["bytes_per_entry"] > 0 and index["bytes"] >= index["bytes_per_entry"]
-    assert index["lookup_p50_us"] > 0
+    assert index["lookup_p50_us"] > 0 and index["lookup_slots_p50_us"] > 0
+    assert index["bytes_after_run"] > 0
     for r in results["policies"]:
         # every timed request placed twice (prefill, then decode), nothing lost
         assert r["dispatches"].get("prefill", 0) >= TINY.requests and r["rejected"] == r["failed"] == 0

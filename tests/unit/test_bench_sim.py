@@ -14,12 +14,22 @@ from switchyard import procs
 from switchyard.bench import simdoc
 from switchyard.bench.calibration import PUBLISHED, closed_loop
 from switchyard.bench.costmodel import CostModel
-from switchyard.bench.fleet import EventLoop, FleetShape, SimWorker
-from switchyard.bench.replay import ReplaySettings, replay
-from switchyard.bench.sim import parse_policies
-from switchyard.bench.traces import TraceRequest
+from switchyard.bench.fleet import EventLoop, FleetShape, PrefixCache, SimWorker, TierCounts
+from switchyard.bench.replay import TENANT, Replay, ReplaySettings, replay
+from switchyard.bench.sim import parse_policies, summarize
+from switchyard.bench.traces import TraceRequest, block_keys, tenant_salt
 from switchyard.cli import build_parser
-from switchyard.schemas import PrefillDone, PrefillTask, RequestFinished, RequestSpec, SamplingParams
+from switchyard.scheduler.index import PrefixIndex
+from switchyard.schemas import (
+    BlocksRemoved,
+    BlocksStored,
+    LoadReport,
+    PrefillDone,
+    PrefillTask,
+    RequestFinished,
+    RequestSpec,
+    SamplingParams,
+)
 
 REQUIRED = (
     "policy",
@@ -155,17 +165,21 @@ def sim_args(trace, out, *extra: str):
     return build_parser().parse_args(["bench", "sim", "--trace", str(trace), "--out", str(out), *extra])
 
 
-def run_sim(trace, out, *extra: str) -> list[dict]:
+def run_sim_args(trace, out, *extra: str) -> None:
     from switchyard.bench.sim import run
 
     assert run(sim_args(trace, out, *extra)) == 0
+
+
+def run_sim(trace, out, *extra: str) -> list[dict]:
+    run_sim_args(trace, out, *extra)
     return json.loads((out / "results.json").read_text())
 
 
 def test_same_trace_and_seed_give_an_identical_results_json(tmp_path):
     trace = write_trace(tmp_path / "chat.jsonl", conversations())
     flags = ("--policies", "round_robin,sglang_cache_aware,dynamo_kv,llmd,switchyard", "--prefill", "2", "--seed", "7")
-    flags += ("--cache-blocks", "6")
+    flags += ("--cache-blocks", "6", "--host-cache-blocks", "4", "--disk-cache-blocks", "4")  # delays: defaults
     run_sim(trace, tmp_path / "a", *flags)
     run_sim(trace, tmp_path / "b", *flags)
     assert (tmp_path / "a" / "results.json").read_bytes() == (tmp_path / "b" / "results.json").read_bytes()
@@ -237,3 +251,161 @@ def test_cli_names_an_unknown_policy(tmp_path):
     )
     assert run.returncode == 2 and "unknown policy 'fastest'" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+# --- tiered caches: device, host, disk ------------------------------------------------------------
+
+
+def tier_keys(cache: PrefixCache) -> dict[str, list[int]]:
+    return {tier.name: list(tier.keys) for tier in cache.tiers}
+
+
+def test_device_evictions_move_to_host_then_to_disk_then_out():
+    cache = PrefixCache(2, 2, 2)
+    for keys in ([1, 2], [3, 4], [5, 6], [7]):
+        cache.insert(keys)
+    assert tier_keys(cache) == {"device": [6, 7], "host": [4, 5], "disk": [2, 3]}  # 1 fell off the disk
+
+
+def test_a_lookup_counts_leading_blocks_on_any_tier_and_brings_them_to_the_device():
+    cache = PrefixCache(2, 2, 2)
+    for keys in ([1, 2], [3, 4], [5, 6]):  # device 5 6, host 3 4, disk 1 2
+        cache.insert(keys)
+    assert cache.lookup([1, 3, 5, 9, 6]) == TierCounts(device=1, host=1, disk=1)  # stops at 9
+    assert tier_keys(cache) == {"device": [3, 5], "host": [6, 1], "disk": [2, 4]}
+
+
+def test_a_batch_reports_each_tier_net_of_what_came_and_went_since_the_last():
+    cache = PrefixCache(1, 1)
+    cache.insert([1])
+    cache.take_events()
+    cache.insert([2])  # 1 to the host
+    cache.insert([1])  # 1 back up, 2 to the host
+    # 1's trip down and back cancels out on both tiers; 2 came and went on the device unreported
+    assert cache.take_events() == [BlocksStored(keys=[2], tier="host")]
+    cache.insert([3])  # 1 to the host, 2 down to nowhere (no disk)
+    assert cache.take_events() == [
+        BlocksStored(keys=[3], tier="device"),
+        BlocksRemoved(keys=[1], tier="device"),
+        BlocksStored(keys=[1], tier="host"),
+        BlocksRemoved(keys=[2], tier="host"),
+    ]
+
+
+def three_turns(third_at: float = 20.0) -> list[TraceRequest]:
+    """A's two blocks, then B's (pushing A's to the host tier of a 2-block device), then A's again."""
+    return [
+        TraceRequest(0.0, 1000, 2, (1, 2)),
+        TraceRequest(10.0, 1000, 2, (3, 4)),
+        TraceRequest(third_at, 1100, 2, (1, 2, 5)),
+    ]
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_prefix_below_the_device_is_a_hit_that_costs_its_load_time(tier):
+    host, disk = (10, 0) if tier == "host" else (0, 10)
+    shape = FleetShape(1, 1, cache_blocks=2, host_cache_blocks=host, disk_cache_blocks=disk)
+    out = replay(three_turns(), ReplaySettings(policy="round_robin", shape=shape)).outcomes
+    assert out.cached == [0, 0, 1024]
+    assert out.served[2] == TierCounts(**{tier: 1024})
+    load = COST.fetch_s(1024, 0) if tier == "host" else COST.fetch_s(0, 1024)
+    assert out.first_token[2] - 20.0 == pytest.approx(load + COST.iteration_s(COST.chunk_work(1024, 1100), 0, 0))
+
+
+def test_a_device_only_cache_forgets_what_it_evicts():
+    shape = FleetShape(1, 1, cache_blocks=2)
+    out = replay(three_turns(), ReplaySettings(policy="round_robin", shape=shape)).outcomes
+    assert out.cached == [0, 0, 0]
+
+
+def test_the_cores_index_learns_from_kv_events_which_blocks_are_off_the_device():
+    shape = FleetShape(1, 1, cache_blocks=2, host_cache_blocks=10)
+    run = Replay(three_turns()[:2], ReplaySettings(policy="round_robin", shape=shape))
+    run.run()
+    a, b = (block_keys(ids, tenant_salt(TENANT)) for ids in ((1, 2), (3, 4)))
+    match = run.core.index.match(a)["prefill-0"]
+    assert (match.blocks, match.device_blocks) == (2, 0)  # A's blocks: on the host
+    match = run.core.index.match(b)["prefill-0"]
+    assert (match.blocks, match.device_blocks) == (2, 2)
+    # A snapshot says the same, every tier.
+    snapshot = run.workers["prefill-0"].snapshot()
+    assert snapshot.blocks == {"device": b, "host": a}  # no disk tier here
+    fresh = PrefixIndex()
+    fresh.load_snapshot(snapshot)
+    assert fresh.match(a)["prefill-0"].device_blocks == 0 and fresh.match(a)["prefill-0"].blocks == 2
+
+
+# --- stale state: what the workers report reaches the core late --------------------------------------
+
+
+def trace_requests(rows: list[dict]) -> list[TraceRequest]:
+    return [
+        TraceRequest(r["timestamp"] / 1e3, r["input_length"], r["output_length"], tuple(r["hash_ids"])) for r in rows
+    ]
+
+
+def test_the_decode_dispatch_waits_for_the_prefill_report_and_the_first_token_does_not():
+    delayed = settings("round_robin", report_delay_s=0.25, kv_event_delay_s=0.5)
+    out = replay([TraceRequest(0.0, 1000, 3, (1, 2))], delayed).outcomes
+    prefill = COST.iteration_s(COST.chunk_work(0, 1000), 0, 0)
+    assert out.first_token[0] == pytest.approx(prefill)  # the worker's time, not the core's
+    steps = sum(COST.iteration_s(0, 1, kv) for kv in (1001, 1002))
+    assert out.last_token[0] == pytest.approx(prefill + 0.25 + COST.transfer_s(1000) + steps)
+
+
+def test_every_worker_message_reaches_the_core_its_delay_late_and_in_order():
+    delays = {"kv": 0.05, "report": 0.01}
+    run = Replay(
+        trace_requests(conversations()),
+        settings("switchyard", prefill=2, kv_event_delay_s=delays["kv"], report_delay_s=delays["report"]),
+    )
+    sent: list[tuple[str, str, object, float]] = []
+    heard: list[tuple[str, str, object, float]] = []
+    for name, stream in (("worker_event", "report"), ("kv_events", "kv")):
+        method = getattr(run, name)
+
+        def sending(message, now, method=method, stream=stream):
+            sent.append((message.worker_id, stream, message, now))
+            method(message, now)
+
+        setattr(run, name, sending)
+    for name, stream in (("on_event", "report"), ("on_kv_events", "kv")):
+        method = getattr(run.core, name)
+
+        def hearing(message, now, method=method, stream=stream):
+            if not isinstance(message, LoadReport):
+                heard.append((message.worker_id, stream, message, now))
+            return method(message, now)
+
+        hearing.__name__ = name
+        setattr(run.core, name, hearing)
+    run.run()
+    assert len(heard) == len(sent) > 50
+    for worker in run.workers:
+        for stream, delay in delays.items():
+            out = [(m, t) for w, s, m, t in sent if (w, s) == (worker, stream)]
+            back = [(m, t) for w, s, m, t in heard if (w, s) == (worker, stream)]
+            assert [m for m, _ in back] == [m for m, _ in out]  # in order
+            assert all(t_in >= t_out + delay - 1e-12 for (_, t_out), (_, t_in) in zip(out, back, strict=True))
+
+
+# --- goodput counts every request of the trace ----------------------------------------------------------
+
+
+def test_goodput_fraction_counts_rejected_requests_as_missed():
+    # A burst on one prefill worker that holds one prompt at a time: the core's queue fills.
+    requests = [TraceRequest(0.05 * i, 4000, 20, (10 * i, 10 * i + 1)) for i in range(12)]
+    shape = FleetShape(1, 1, prefill_token_budget=4096)
+    result = replay(requests, ReplaySettings(policy="least_tokens", shape=shape, max_queued_tokens=12_000))
+    summary = summarize(result, 0.0, "disaggregated", 2.0, 0.05)
+    out = result.outcomes
+    assert summary["rejected"] > 0
+    good = sum(
+        1
+        for i, r in enumerate(requests)
+        if out.status[i] == "done"
+        and out.first_token[i] - r.arrival_s <= 2.0
+        and (out.last_token[i] - out.first_token[i]) / (r.output_tokens - 1) <= 0.05
+    )
+    assert 0 < good == summary["completed"] < len(requests)  # all that ran met the SLOs
+    assert summary["goodput_fraction"] == good / len(requests)

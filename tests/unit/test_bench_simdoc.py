@@ -89,6 +89,20 @@ def test_local_prefills_and_the_time_scale_show_only_when_the_run_has_them():
     assert "| rejected | local prefills | index entries |" in head and "| 0 | 4,797 | 36,000 |" in row
 
 
+def test_tiers_delays_and_goodput_fraction_show_only_when_the_run_has_them():
+    fleet = RUN["results"][0]["fleet"] | {"cache_blocks": 878, "host_cache_blocks": 4000, "disk_cache_blocks": 0}
+    fleet |= {"kv_event_delay_s": 0.05, "report_delay_s": 0.01}
+    tiers = {"device": 0.1, "host": 0.15, "disk": 0.0}
+    tiered = result("switchyard", 0.25, (700, 3000, 9000), fleet=fleet, cache_hit_ratio_by_tier=tiers)
+    caption, _, head, _, row = simdoc.policy_table([tiered | {"goodput_fraction": 0.7564}]).split("\n")
+    late = "KV events reach the core 50 ms late, worker events 10 ms"
+    assert f"878 device + 4,000 host cache blocks each; {late};" in caption
+    assert "| hit | hit device / host / disk | bound |" in head and "| 0.250 | 0.100 / 0.150 / 0.000 |" in row
+    assert "| goodput req/s | goodput % | rejected |" in head and "| 2.67 | 75.6 | 0 |" in row
+    # A run from before tiers and goodput_fraction: neither column (the committed doc's runs).
+    assert "goodput %" not in simdoc.policy_table(RUN["results"]) and "device /" not in POLICY_TABLE
+
+
 def test_rewrite_replaces_only_what_lies_between_the_markers():
     doc = (
         "# intro, kept\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import tracemalloc
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +33,7 @@ from tests.support.factories import make_spec, prompt_of
 
 BLOCK = 16
 TIERS = ("device", "host", "disk", "cluster")
+SEEDS = [int(os.environ["SWITCHYARD_SEED"])] if "SWITCHYARD_SEED" in os.environ else list(range(20))
 
 
 # --- factories --------------------------------------------------------------------------------
@@ -281,6 +283,69 @@ def test_max_entries_must_be_positive() -> None:
         PrefixIndex(0)
 
 
+class LinkedLru:
+    """The bound's meaning, the way the index once kept it: an ``OrderedDict`` of key ->
+    holders, a store or a match moves keys to the end (back to front), and while the pairs
+    exceed the bound the oldest key goes with all its holders. Device tier only."""
+
+    def __init__(self, workers: tuple[str, ...], bound: int) -> None:
+        self.workers, self.bound = workers, bound
+        self.keys: OrderedDict[int, set[str]] = OrderedDict()
+
+    def store(self, worker: str, keys: list[int]) -> None:
+        for key in reversed(keys):
+            self.keys.setdefault(key, set()).add(worker)
+            self.keys.move_to_end(key)
+            while sum(map(len, self.keys.values())) > self.bound:
+                self.keys.popitem(last=False)
+
+    def remove(self, worker: str, keys: list[int]) -> None:
+        for key in keys:
+            holders = self.keys.get(key, set())
+            holders.discard(worker)
+            if not holders:
+                self.keys.pop(key, None)
+
+    def match(self, keys: list[int]) -> dict[str, tuple[int, int]]:
+        reach, out, walked = set(self.workers), {}, []
+        for i, key in enumerate(keys):
+            kept = reach & self.keys.get(key, set())
+            if not kept:
+                break
+            out |= {w: (i, i) for w in reach - kept if i}
+            reach = kept
+            walked.append(key)
+        for key in reversed(walked):
+            self.keys.move_to_end(key)
+        return out | {w: (len(walked), len(walked)) for w in reach if walked}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_bound_evicts_exactly_what_a_linked_lru_would(seed: int) -> None:
+    """Stamps and a batch of eviction candidates, refreshed again and again (a bound of 60
+    is 16 candidates at a time), take the very keys a linked list would, in its order."""
+    print(f"seed={seed} (rerun one with SWITCHYARD_SEED={seed})")
+    rng, workers = random.Random(seed), ("w0", "w1", "w2")
+    index, model = index_with(*workers, max_entries=60), LinkedLru(workers, 60)
+    prompts = [chain(rng.randint(1, 8), start=10 * p) for p in range(12)]
+    seq = dict.fromkeys(workers, 0)
+    for _ in range(400):
+        worker, keys = rng.choice(workers), rng.choice(prompts)
+        keys = keys[: rng.randint(1, len(keys))]
+        roll = rng.random()
+        if roll < 0.5:
+            seq[worker] += 1
+            index.apply(batch(worker, seq[worker], stored(keys)))
+            model.store(worker, keys)
+        elif roll < 0.7:
+            gone = keys[rng.randint(0, len(keys) - 1) :]
+            seq[worker] += 1
+            index.apply(batch(worker, seq[worker], removed(gone)))
+            model.remove(worker, gone)
+        assert matches(index, keys) == model.match(keys)
+        assert index.entries == sum(map(len, model.keys.values())) <= 60
+
+
 # --- memory ---------------------------------------------------------------------------------------
 
 
@@ -301,7 +366,7 @@ def test_approx_bytes_is_within_a_quarter_of_what_is_allocated() -> None:
         tracemalloc.stop()
     estimate = index.approx_bytes()
     print(
-        f"{index.entries} pairs on {len(index._holders)} keys: approx_bytes {estimate}, "
+        f"{index.entries} pairs on {index._live} keys: approx_bytes {estimate}, "
         f"allocated {allocated} ({allocated / index.entries:.0f} B per pair)"
     )
     assert 0.75 * allocated <= estimate <= 1.25 * allocated
@@ -420,9 +485,6 @@ class RandomFleet:
             yield as_pairs(self.index.match(keys, workers)), self.model.match(keys, workers)
 
 
-SEEDS = [int(os.environ["SWITCHYARD_SEED"])] if "SWITCHYARD_SEED" in os.environ else list(range(20))
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_events_match_the_brute_force_model(seed: int) -> None:
     print(f"seed={seed} (rerun one with SWITCHYARD_SEED={seed})")
@@ -456,25 +518,73 @@ def test_match_touches_only_the_workers_that_match() -> None:
     index.apply(batch("w3", 1, stored(keys)))
     seen: list[int] = []
 
-    class Counting(dict):
-        """Counts every holder lookup the walk makes, however it makes it."""
+    class Counting(list):
+        """Counts every worker id the lookup turns a worker bit back into."""
 
-        def get(self, key, default=None):
-            seen.append(key)
-            return super().get(key, default)
+        def __getitem__(self, slot):
+            seen.append(slot)
+            return super().__getitem__(slot)
 
-        def __contains__(self, key):
-            seen.append(key)
-            return super().__contains__(key)
-
-        def __getitem__(self, key):
-            seen.append(key)
-            return super().__getitem__(key)
-
-    for key in keys:
-        index._holders[key] = Counting(index._holders[key])
+    index._ids = Counting(index._ids)
     assert index.match(keys) == {"w3": WorkerMatch("w3", 30, 30)}
-    assert len(seen) <= 2 * 30
+    assert set(seen) == {index._slot["w3"]} and len(seen) <= 2  # its blocks and its device blocks
+
+
+def test_match_slots_is_match_counts_by_worker_slot() -> None:
+    fleet = RandomFleet(seed=3, max_entries=1_000_000)
+    for _ in range(200):
+        fleet.step()
+    for _ in range(50):
+        keys, index = fleet.keys(), fleet.index
+        blocks, device = index.match_counts(keys)
+        by_slot, device_by_slot = index.match_slots(keys)
+        names = index.worker_slots()
+        assert len(by_slot) == len(device_by_slot) == len(names)
+        assert {names[s]: int(n) for s, n in enumerate(by_slot) if n} == blocks
+        assert {names[s]: int(n) for s, n in enumerate(device_by_slot) if n} == device
+
+
+def test_a_workers_slot_goes_to_the_next_worker_with_none_of_its_blocks() -> None:
+    """Fleet-wide prefixes are named from kept maps (see ``_Names``): a departure drops them."""
+    workers = [f"w{i}" for i in range(40)]
+    index = index_with(*workers)
+    keys = chain(4)
+    for w in workers:
+        index.apply(batch(w, 1, stored(keys[:2])))
+    index.apply(batch("w0", 2, stored(keys)))
+    want = {w: (2, 2) for w in workers} | {"w0": (4, 4)}
+    assert matches(index, keys) == want
+    index.forget_worker("w7")
+    index.load_snapshot(snapshot("newcomer"))  # takes w7's slot
+    assert index.worker_slots()[7] == "newcomer"
+    assert matches(index, keys) == {w: m for w, m in want.items() if w != "w7"}
+
+
+def test_churn_through_many_rebuilds_keeps_every_key() -> None:
+    """Keys stored and removed until the table has grown, filled with tombstones and been
+    rebuilt many times: what is left matches, what went does not."""
+    index, rng = index_with("p1", "p2"), random.Random(5)
+    held: dict[str, list[int]] = {"p1": [], "p2": []}
+    seq = {"p1": 0, "p2": 0}
+    for step in range(300):
+        worker = rng.choice(("p1", "p2"))
+        new = [rng.getrandbits(64) for _ in range(rng.randint(1, 40))]
+        gone, held[worker] = held[worker][: len(new) // 2], held[worker][len(new) // 2 :] + new
+        seq[worker] += 1
+        index.apply(batch(worker, seq[worker], stored(new), removed(gone)))
+        if step % 50 == 0:
+            index.check_invariants()
+    index.check_invariants()
+    for worker, keys in held.items():
+        assert all(index.match([k]) == {worker: WorkerMatch(worker, 1, 1)} for k in keys)
+    assert index.entries == sum(map(len, held.values()))
+
+
+def test_a_key_outside_64_bits_is_never_stored() -> None:
+    index = index_with("p1")
+    index.apply(batch("p1", 1, stored([-1, 1 << 64, 5])))
+    assert index.entries == 1
+    assert matches(index, [5]) == {"p1": (1, 1)} and matches(index, [-1]) == {}
 
 
 # --- fed by a real engine: the sim engine's reports through a KvReporter ---------------------------
