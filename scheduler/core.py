@@ -17,6 +17,13 @@ the ingress submits it again (``attempt``), as a continuation after the tokens i
 never samples a second token 0. A resubmitted request was admitted once: it is not refused
 for load, and it goes to the head of the queue.
 
+With a TTFT SLO (``ttft_slo_s``) and a policy that asks for it (``slo_aware``: the
+``switchyard`` policy), a request predicted to miss the SLO is *late*: it queues behind
+every request that can still meet it, runs only on slack, and is shed (``overloaded``) if
+no slack comes within a few SLOs; see "SLO-aware queueing" below. A prompt larger than
+every worker's budget keeps the worker that frees up first, and requests behind it may
+go to the others meanwhile (``_backfill``), instead of the fleet draining for it.
+
 A scheduler that takes over from another (``scheduler.lease``) rolls call; each worker
 answers with the requests it holds, as the old scheduler charged them
 (``LoadReport.held``), and the core adopts them: the ledger, the decode claims and the
@@ -509,8 +516,10 @@ class SchedulerCore:
         limit = _LATE_SLACK * self.config.ttft_slo_s
         if worker.load_tokens / worker.prefill_rate > limit:
             return False
-        if self._busy < _BUSY_SPARE:
-            return True  # the fleet has had spare capacity lately: late work does not crowd others out
+        if self._busy < _BUSY_SPARE and worker.role != "both":
+            # The fleet has had spare capacity lately: late work crowds nobody out. (Not on a
+            # colocated worker: a prompt there slows every sequence it decodes.)
+            return True
         prefill, rate = self._prefill_fleet()
         return sum(w.load_tokens for w in prefill) / rate <= limit
 
@@ -537,7 +546,9 @@ class SchedulerCore:
                     f"request {rid} was shed: overloaded, it could not meet the {slo:g} s time to first token "
                     f"and no capacity came free for it in {wait:g} s"
                 )
-                actions.append(FailStream(tracked.spec.ingress_id, rid, StreamError(code="overloaded", message=message)))
+                actions.append(
+                    FailStream(tracked.spec.ingress_id, rid, StreamError(code="overloaded", message=message))
+                )
         return actions
 
     def _backfill(self, head: Tracked, now: float) -> list[Action]:
@@ -552,7 +563,9 @@ class SchedulerCore:
         actions: list[Action] = []
         for rid in self._queue.behind_head(self.config.backfill_lookahead):
             tracked = self.requests[rid]
-            placement = self.placer.prefill(tracked, others, self._bound(tracked, now), self._ttft_budget_s(tracked, now))
+            placement = self.placer.prefill(
+                tracked, others, self._bound(tracked, now), self._ttft_budget_s(tracked, now)
+            )
             if placement is None or self._misses_slo(tracked, placement, now):
                 continue
             self._queue.remove(tracked)

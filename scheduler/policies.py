@@ -15,7 +15,9 @@ policy may record its own decisions there (the peers' routers all do).
     llmd_precise        llm-d's precise-prefix-cache profile (2, 1, 1, prefix from KV events)
     switchyard          lowest predicted time to first token: (queued uncached tokens +
                         this prompt's uncached tokens there, fetchable blocks credited) /
-                        that worker's prefill rate
+                        that worker's prefill rate; with a TTFT SLO, the worker that
+                        computes least among those that keep it within half the time
+                        left, and the core's SLO-aware queueing (``slo_aware``)
 
 The peers' routers live in ``peers.py``, re-implemented from their own sources with their
 own defaults.
