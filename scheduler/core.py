@@ -372,6 +372,8 @@ class SchedulerCore:
         assert all(self.requests[r].phase == "queued" for r in queued)
         assert all(self.requests[r].phase == "awaiting_decode" for r in self._decode_wait)
         assert self._decode_demand == sum(t.decode_tokens for t in self.requests.values())
+        late = [self.requests[r] for r in queued if self.requests[r].late]
+        assert self._queue.late_tokens == sum(t.prompt_tokens for t in late)
 
     # --- admission -----------------------------------------------------------------
 
