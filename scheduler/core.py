@@ -415,9 +415,24 @@ class SchedulerCore:
 
     def _decode_refusal(self, rid: str, decode_tokens: int) -> Rejected | None:
         """429 up front when the decode fleet cannot give this request room in time: what is
-        in flight already claims ``decode_overcommit`` times its KV capacity. An empty fleet
-        still takes one request, however large (it runs alone, as a prompt over budget does)."""
+        in flight already claims ``decode_overcommit`` times its KV capacity, or (SLO-aware)
+        prefilled requests already wait for room. An empty fleet still takes one request,
+        however large (it runs alone, as a prompt over budget does)."""
         capacity = self.decode_capacity()
+        if self._slo_aware() and self._decode_wait:
+            # Prefilled requests already wait for decode room: one let in now would wait too,
+            # after its first token, and so miss its time per output token.
+            waiting = sum(self.requests[r].decode_tokens for r in self._decode_wait)
+            wait = max(1.0, math.ceil(self._decode_s * waiting / max(capacity, 1)))
+            return Rejected(
+                request_id=rid,
+                reason="overloaded",
+                retry_after_s=wait,
+                message=(
+                    f"decode is full: {len(self._decode_wait)} prefilled requests wait for room; "
+                    f"retry in about {wait:.0f} s"
+                ),
+            )
         limit = self.config.decode_overcommit * capacity
         if self._decode_demand == 0 or self._decode_demand + decode_tokens <= limit:
             return None

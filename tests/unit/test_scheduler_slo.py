@@ -160,3 +160,28 @@ def test_a_small_prompt_on_an_idle_worker_teaches_the_workers_own_measure() -> N
     h.clock.advance(0.5)  # mostly the bus and fixed costs: not a rate
     h.event(prefill_done(a, "p0", prefill_s=0.1))
     assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * 10_000)
+
+
+def test_with_prefilled_requests_waiting_for_decode_room_a_new_one_is_refused_up_front() -> None:
+    h = Harness(policy="switchyard", ttft_slo_s=SLO)
+    h.report("p0", budget=100_000)
+    h.report("d0", role="decode", budget=2_500)  # room for one request's KV (1,500 tokens) at a time
+    a, b = make_spec("a", prompt_len=1_000, max_tokens=500), make_spec("b", prompt_len=1_000, max_tokens=500)
+    h.admit(a)
+    h.admit(b)
+    h.clock.advance(0.2)
+    h.event(prefill_done(a, "p0", prefill_s=0.1))  # a decodes on d0
+    h.event(prefill_done(b, "p0", prefill_s=0.1))  # b waits for room
+    assert h.core.requests["b"].phase == "awaiting_decode"
+    reply, _ = h.submit(make_spec("c", prompt_len=1_000, max_tokens=500))
+    assert reply.reason == "overloaded" and "1 prefilled requests wait for room" in reply.message
+    # the peers let it in (up to the overcommit), to wait after its first token
+    peer = Harness(policy="dynamo_kv", ttft_slo_s=SLO)
+    peer.report("p0", budget=100_000)
+    peer.report("d0", role="decode", budget=2_500)
+    for spec in (a, b):
+        peer.admit(spec)
+    peer.clock.advance(0.2)
+    peer.event(prefill_done(a, "p0", prefill_s=0.1))
+    peer.event(prefill_done(b, "p0", prefill_s=0.1))
+    assert isinstance(peer.submit(make_spec("c", prompt_len=1_000, max_tokens=500))[0], Admitted)
