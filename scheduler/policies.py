@@ -148,11 +148,20 @@ class Switchyard:
             limit = _SAFE_SHARE * view.ttft_budget_s
             safe = [w for w in candidates if self.predicted_ttft_s(w, view) <= limit]
             if safe:
-                return min(safe, key=lambda w: (view.uncached_tokens(w), self.predicted_ttft_s(w, view), w.worker_id))
+                return min(safe, key=lambda w: (self.work(w, view), self.predicted_ttft_s(w, view), w.worker_id))
         best = min(candidates, key=lambda w: (self.predicted_ttft_s(w, view), w.worker_id))
         if log.isEnabledFor(logging.DEBUG):
             self.cost(best, request, view)  # logs the winner's terms
         return best
+
+    @staticmethod
+    def work(worker: WorkerState, view: PlacementView) -> float:
+        """What placing the prompt there costs the fleet, in tokens: its uncached tokens;
+        on a colocated worker also everything it runs beside them (the prompts queued
+        there and the KV of the sequences it decodes, each slowed by the prompt)."""
+        if worker.role != "both":
+            return view.uncached_tokens(worker)
+        return view.uncached_tokens(worker) + worker.load_tokens + worker.kv_tokens
 
     @staticmethod
     def predicted_ttft_s(worker: WorkerState, view: PlacementView) -> float:

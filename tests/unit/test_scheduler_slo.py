@@ -185,3 +185,20 @@ def test_with_prefilled_requests_waiting_for_decode_room_a_new_one_is_refused_up
     peer.event(prefill_done(a, "p0", prefill_s=0.1))
     peer.event(prefill_done(b, "p0", prefill_s=0.1))
     assert isinstance(peer.submit(make_spec("c", prompt_len=1_000, max_tokens=500))[0], Admitted)
+
+
+def test_on_a_colocated_fleet_the_safe_choice_also_weighs_what_each_worker_decodes() -> None:
+    decoding = worker("w1", role="both")
+    decoding.hold("seq", 6_000)  # 6,000 KV tokens of sequences it decodes
+    idle = worker("w2", role="both")
+    request = tracked(prompt_len=4_000)
+    safe = replace(view(prompt=4_000), ttft_budget_s=10.0)
+    # Same compute either way: the one whose decodes the prompt would not slow
+    assert Switchyard().choose(request, [decoding, idle], safe).worker_id == "w2"
+    # A cached prefix there counts the same way: 3,200 of the 4,000 tokens held saves
+    # less than its 6,000 KV tokens cost, but more than 2,000 would
+    cached = replace(view({"w1": (200, 200)}, prompt=4_000), ttft_budget_s=10.0)
+    assert Switchyard().choose(request, [decoding, idle], cached).worker_id == "w2"
+    lightly = worker("w1", role="both")
+    lightly.hold("seq", 2_000)
+    assert Switchyard().choose(request, [lightly, idle], cached).worker_id == "w1"  # 800 + 2,000 < 4,000
