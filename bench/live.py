@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, bound: float) -> dict:
     shape = FleetShape(args.prefill, args.decode, False, args.cache_blocks)
-    result = replay(requests, ReplaySettings(policy=policy, shape=shape, cost=cost))
+    result = replay(requests, ReplaySettings(policy=policy, shape=shape, cost=cost, ttft_slo_s=args.ttft_slo_s))
     summary = summarize(result, bound, "disaggregated", args.ttft_slo_s, args.tpot_slo_s)
     return {k: v for k, v in summary.items() if not k.endswith("_samples_s")} | {
         "ttft_samples_s": summary.get("ttft_samples_s", [])
@@ -168,6 +168,9 @@ def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost:
             server,
             "--policy",
             policy,
+            # the SLO the scheduler keeps (the switchyard policy's queueing), in live time
+            "--ttft-slo-s",
+            f"{args.ttft_slo_s * scaling.time:g}",
             *worker_flags(cost, scaling, args.cache_blocks),
             prefill=args.prefill,
             decode=args.decode,

@@ -139,10 +139,20 @@ class DeadlineExceeded(GenerationFailed):
     status = 504
 
 
+class Shed(GenerationFailed):
+    """The scheduler gave the request up under overload (it could not meet the TTFT SLO
+    and no capacity came free for it): retrying later, or elsewhere, may succeed."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
+_BY_CODE: dict[str, type[GenerationFailed]] = {"deadline_exceeded": DeadlineExceeded, "overloaded": Shed}
+
+
 def generation_error(code: str, message: str) -> GenerationFailed:
     """The HTTP error for a stream that failed with ``code``."""
-    cls = DeadlineExceeded if code == "deadline_exceeded" else GenerationFailed
-    return cls(message, code=code)
+    return _BY_CODE.get(code, GenerationFailed)(message, code=code)
 
 
 def internal_error() -> ApiError:

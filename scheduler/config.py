@@ -65,6 +65,22 @@ class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
     local_prefill_max_tokens: Annotated[
         int, setting("prompts with at most this many uncached tokens prefill on their decode worker", ge=0)
     ] = 0
+    ttft_slo_s: Annotated[
+        float,
+        setting(
+            "the time to first token requests should meet (0: none). With the switchyard policy, a request "
+            "predicted to miss it waits behind every request that can still meet it",
+            ge=0.0,
+        ),
+    ] = 0.0
+    backfill_lookahead: Annotated[
+        int,
+        setting(
+            "a prompt over every worker's budget waits for a worker to drain; meanwhile up to this many "
+            "requests behind it may go to the other workers (0: none)",
+            ge=0,
+        ),
+    ] = 32
 
     def __post_init__(self) -> None:
         super().__post_init__()

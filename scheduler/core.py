@@ -17,6 +17,13 @@ the ingress submits it again (``attempt``), as a continuation after the tokens i
 never samples a second token 0. A resubmitted request was admitted once: it is not refused
 for load, and it goes to the head of the queue.
 
+With a TTFT SLO (``ttft_slo_s``) and a policy that asks for it (``slo_aware``: the
+``switchyard`` policy), a request predicted to miss the SLO is *late*: it queues behind
+every request that can still meet it, runs only on slack, and is shed (``overloaded``) if
+no slack comes within a few SLOs; see "SLO-aware queueing" below. A prompt larger than
+every worker's budget keeps the worker that frees up first, and requests behind it may
+go to the others meanwhile (``_backfill``), instead of the fleet draining for it.
+
 A scheduler that takes over from another (``scheduler.lease``) rolls call; each worker
 answers with the requests it holds, as the old scheduler charged them
 (``LoadReport.held``), and the core adopts them: the ledger, the decode claims and the
@@ -92,6 +99,16 @@ class BindSession:
 Action = Dispatch | FailStream | RequestSnapshot | BindSession
 DispatchOutcome = Literal["refused", "no_responders", "timeout"]
 
+# SLO-aware queueing (``_misses_slo``): a late request runs only where the queue it joins,
+# and the prefill fleet's whole queue, drain within this share of the TTFT SLO; one that
+# found no such slack within this many SLOs of arriving is shed.
+_LATE_SLACK = 0.1
+_LATE_WAIT_SLOS = 5.0
+# ...unless the prefill fleet has had spare capacity lately: its busy share (workers with
+# work on their ledger), averaged over about this window, below this.
+_BUSY_WINDOW_S = 20.0
+_BUSY_SPARE = 0.7
+_RATE_MIN_TOKENS = 2048  # a prediction of fewer tokens than this is mostly fixed costs
 _RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sample
 
 
@@ -117,6 +134,10 @@ class SchedulerCore:
         self.sessions_dropped = 0
         self.abandoned_handoffs = 0
         self._started: float | None = None  # the first tick
+        # The prefill fleet's recent busy share (workers with work on their ledger, sampled
+        # each tick, averaged over about ``_BUSY_WINDOW_S``), and when it was last sampled.
+        self._busy = 0.0
+        self._busy_at: float | None = None
         self._snapshots_asked: set[str] = set()
         self._snapshot_retry_at: dict[str, float] = {}  # worker -> when to ask again
         # Placing the queue's head costs a pass over the fleet. When it fails, nothing can
@@ -254,7 +275,9 @@ class SchedulerCore:
             # Every worker that is up has registered by now: a restored binding to any other
             # names a worker that is gone (its owner check; the TTL bounds the rest).
             self.sessions_dropped += self.sessions.keep_only(self.workers.__contains__)
-        return actions + self._retry_snapshots(now) + self._expire_deadlines(now) + self._drain(now)
+        self._sample_busy(now)
+        expired = self._expire_deadlines(now) + self._shed_late(now)
+        return actions + self._retry_snapshots(now) + expired + self._drain(now)
 
     def _retry_snapshots(self, now: float) -> list[Action]:
         due = [w for w, at in self._snapshot_retry_at.items() if at <= now]
@@ -349,6 +372,8 @@ class SchedulerCore:
         assert all(self.requests[r].phase == "queued" for r in queued)
         assert all(self.requests[r].phase == "awaiting_decode" for r in self._decode_wait)
         assert self._decode_demand == sum(t.decode_tokens for t in self.requests.values())
+        late = [self.requests[r] for r in queued if self.requests[r].late]
+        assert self._queue.late_tokens == sum(t.prompt_tokens for t in late)
 
     # --- admission -----------------------------------------------------------------
 
@@ -372,7 +397,8 @@ class SchedulerCore:
         if spec.attempt > 0:
             return None  # admitted once already: its worker was lost, not its place
         tokens = len(spec.prompt_tokens)
-        if len(self._queue) and self._queue.tokens + tokens > self.config.max_queued_tokens:
+        queued = self._queue.tokens - self._queue.late_tokens  # late ones are shed, not waited for
+        if len(self._queue) and queued + tokens > self.config.max_queued_tokens:
             return self._overloaded(rid, f"{self._queue.tokens} prompt tokens are already queued")
         if spec.deadline_s is not None and len(self._queue) and self.predicted_wait_s() > spec.deadline_s:
             return self._overloaded(rid, f"the predicted wait exceeds the deadline of {spec.deadline_s:.1f} s")
@@ -389,9 +415,24 @@ class SchedulerCore:
 
     def _decode_refusal(self, rid: str, decode_tokens: int) -> Rejected | None:
         """429 up front when the decode fleet cannot give this request room in time: what is
-        in flight already claims ``decode_overcommit`` times its KV capacity. An empty fleet
-        still takes one request, however large (it runs alone, as a prompt over budget does)."""
+        in flight already claims ``decode_overcommit`` times its KV capacity, or (SLO-aware)
+        prefilled requests already wait for room. An empty fleet still takes one request,
+        however large (it runs alone, as a prompt over budget does)."""
         capacity = self.decode_capacity()
+        if self._slo_aware() and self._decode_wait:
+            # Prefilled requests already wait for decode room: one let in now would wait too,
+            # after its first token, and so miss its time per output token.
+            waiting = sum(self.requests[r].decode_tokens for r in self._decode_wait)
+            wait = max(1.0, math.ceil(self._decode_s * waiting / max(capacity, 1)))
+            return Rejected(
+                request_id=rid,
+                reason="overloaded",
+                retry_after_s=wait,
+                message=(
+                    f"decode is full: {len(self._decode_wait)} prefilled requests wait for room; "
+                    f"retry in about {wait:.0f} s"
+                ),
+            )
         limit = self.config.decode_overcommit * capacity
         if self._decode_demand == 0 or self._decode_demand + decode_tokens <= limit:
             return None
@@ -444,16 +485,113 @@ class SchedulerCore:
             return actions
         while (rid := self._queue.head()) is not None:
             tracked = self.requests[rid]
-            placement = self.placer.prefill(tracked, self.workers.values(), self._bound(tracked, now))
+            placement = self.placer.prefill(
+                tracked, self.workers.values(), self._bound(tracked, now), self._ttft_budget_s(tracked, now)
+            )
             if placement is None:
                 self._blocked_at = self._epoch
-                break  # the head waits; nobody jumps it
+                return actions + self._backfill(tracked, now)  # the head waits; nobody else jumps it
+            if self._misses_slo(tracked, placement, now):
+                self._queue.demote(tracked)  # behind every request that can still make it
+                continue
+            if tracked.late and not self._slack(placement.worker):
+                self._blocked_at = self._epoch  # only late requests are queued: they wait for slack
+                return actions
             self._queue.pop_head(tracked)
+            actions += self._place_prefill(tracked, placement, now)
+        return actions
+
+    # SLO-aware queueing, for a policy that asks for it (``PrefillPolicy.slo_aware``) when a
+    # TTFT SLO is set: a request predicted to miss the SLO wherever it goes now is *late*.
+    # It waits behind every request that can still meet it, runs only on capacity nobody
+    # else needs (a worker, and a fleet, with slack), and is shed if none comes free in
+    # time: under overload it would only take capacity from requests that can meet the
+    # SLO (Mooncake's early rejection, softened: a late request still runs when there is
+    # room, so a light load loses nothing).
+
+    def _slo_aware(self) -> bool:
+        return self.config.ttft_slo_s > 0 and self.placer.policy.slo_aware
+
+    def _ttft_budget_s(self, tracked: Tracked, now: float) -> float:
+        """Time left before this request misses the TTFT SLO (infinite: none to keep)."""
+        if tracked.late or not self._slo_aware():
+            return math.inf
+        return self.config.ttft_slo_s - (now - tracked.enqueued_at)
+
+    def _misses_slo(self, tracked: Tracked, placement: Placement, now: float) -> bool:
+        """Would this request, placed there now, have its first token past the TTFT SLO?
+        (Its wait so far, then the worker's queued tokens and its own at the worker's rate.)"""
+        if tracked.late or placement.kind == "local" or not self._slo_aware():
+            return False
+        worker = placement.worker
+        predicted = (worker.load_tokens + placement.tokens) / worker.prefill_rate
+        return now - tracked.enqueued_at + predicted > self.config.ttft_slo_s
+
+    def _slack(self, worker: WorkerState) -> bool:
+        """Capacity nobody else needs: this worker, and the prefill fleet as a whole, are
+        about to run out of work."""
+        limit = _LATE_SLACK * self.config.ttft_slo_s
+        if worker.load_tokens / worker.prefill_rate > limit:
+            return False
+        if self._busy < _BUSY_SPARE and worker.role != "both":
+            # The fleet has had spare capacity lately: late work crowds nobody out. (Not on a
+            # colocated worker: a prompt there slows every sequence it decodes.)
+            return True
+        prefill, rate = self._prefill_fleet()
+        return sum(w.load_tokens for w in prefill) / rate <= limit
+
+    def _sample_busy(self, now: float) -> None:
+        prefill, _ = self._prefill_fleet()
+        if not prefill:
+            return
+        busy = sum(1 for w in prefill if w.load_tokens) / len(prefill)
+        weight = 1.0 if self._busy_at is None else min(1.0, (now - self._busy_at) / _BUSY_WINDOW_S)
+        self._busy, self._busy_at = (1 - weight) * self._busy + weight * busy, now
+
+    def _shed_late(self, now: float) -> list[Action]:
+        """Late requests that found no slack within ``_LATE_WAIT_SLOS`` SLOs of arriving."""
+        if not self._queue.late_tokens:
+            return []
+        slo = self.config.ttft_slo_s
+        wait = _LATE_WAIT_SLOS * slo
+        actions: list[Action] = []
+        for rid in self._queue.request_ids():
+            tracked = self.requests[rid]
+            if tracked.late and now - tracked.enqueued_at > wait:
+                self._forget(rid)
+                message = (
+                    f"request {rid} was shed: overloaded, it could not meet the {slo:g} s time to first token "
+                    f"and no capacity came free for it in {wait:g} s"
+                )
+                actions.append(
+                    FailStream(tracked.spec.ingress_id, rid, StreamError(code="overloaded", message=message))
+                )
+        return actions
+
+    def _backfill(self, head: Tracked, now: float) -> list[Action]:
+        """A head larger than every worker's budget fits only an idle worker. Rather than
+        leave the whole fleet to drain for it, the worker that frees up first is kept for
+        it and the requests behind it (a bounded look-ahead, in order) may go to the others."""
+        capable = [w for w in self.workers.values() if w.role != "decode"]
+        if not capable or any(head.prompt_tokens <= w.token_budget for w in capable):
+            return []
+        kept = min(capable, key=lambda w: (w.load_tokens / w.prefill_rate, w.worker_id))
+        others = [w for w in self.workers.values() if w is not kept]
+        actions: list[Action] = []
+        for rid in self._queue.behind_head(self.config.backfill_lookahead):
+            tracked = self.requests[rid]
+            placement = self.placer.prefill(
+                tracked, others, self._bound(tracked, now), self._ttft_budget_s(tracked, now)
+            )
+            if placement is None or self._misses_slo(tracked, placement, now):
+                continue
+            self._queue.remove(tracked)
             actions += self._place_prefill(tracked, placement, now)
         return actions
 
     def _place_prefill(self, tracked: Tracked, placement: Placement, now: float) -> list[Action]:
         worker, spec = placement.worker, tracked.spec
+        tracked.dispatched_at, tracked.ahead_tokens = now, worker.load_tokens + placement.tokens
         worker.assign(spec.request_id, placement.tokens)
         tracked.phase, tracked.worker_id, tracked.local = "prefill", worker.worker_id, placement.kind == "local"
         tracked.attempts += 1
@@ -478,7 +616,7 @@ class SchedulerCore:
         worker = self.workers[done.worker_id]
         worker.release(done.request_id)
         self._capacity_changed()
-        self._learn_rate(worker, done)
+        self._learn_rate(worker, tracked, done, now)
         if done.finished:
             self._forget(done.request_id)
             return self._drain_prefill(now)
@@ -545,13 +683,22 @@ class SchedulerCore:
         return failure + self._drain(now)
 
     @staticmethod
-    def _learn_rate(worker: WorkerState, done: PrefillDone) -> None:
-        # The batch's tokens over the batch's time: one request's own tokens over the
-        # time of a batch it shared would make a batching worker look slow.
-        computed = done.usage.batch_tokens or done.usage.prompt_tokens - done.usage.cached_tokens
-        if computed > 0 and done.usage.prefill_s > 0:
+    def _learn_rate(worker: WorkerState, tracked: Tracked, done: PrefillDone, now: float) -> None:
+        """The rate placement predicts with: the uncached tokens the worker had to work
+        through, this prompt's included, over the time from dispatch to its first token,
+        which is what a prediction from the ledger needs (batching, chunking, per-iteration
+        costs and the bus all in it). A prompt dispatched to a nearly empty worker says
+        more about fixed costs than about rate: from those, the worker's own measure (the
+        batch's tokens over the batch's time) is taken instead."""
+        elapsed = now - tracked.dispatched_at
+        if tracked.ahead_tokens >= _RATE_MIN_TOKENS and elapsed > 0:
+            sample = tracked.ahead_tokens / elapsed
+        else:
+            computed = done.usage.batch_tokens or done.usage.prompt_tokens - done.usage.cached_tokens
+            if computed <= 0 or done.usage.prefill_s <= 0:
+                return
             sample = computed / done.usage.prefill_s
-            worker.prefill_rate = (1 - _RATE_WEIGHT) * worker.prefill_rate + _RATE_WEIGHT * sample
+        worker.prefill_rate = (1 - _RATE_WEIGHT) * worker.prefill_rate + _RATE_WEIGHT * sample
 
     # --- decode ---------------------------------------------------------------------
 

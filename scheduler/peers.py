@@ -113,6 +113,7 @@ class SglangCacheAware:
 
     name: ClassVar[str] = "sglang_cache_aware"
     argmin: ClassVar[bool] = False  # it compares candidates and records its choice
+    slo_aware: ClassVar[bool] = False  # none of the peers queues by an SLO
 
     def __init__(
         self,
@@ -183,6 +184,7 @@ class DynamoKv:
 
     name: ClassVar[str] = "dynamo_kv"
     argmin: ClassVar[bool] = False  # it records what it routes: only committed choices
+    slo_aware: ClassVar[bool] = False  # none of the peers queues by an SLO
 
     def __init__(self, overlap_weight: float = 1.0) -> None:
         self.overlap_weight = overlap_weight
@@ -274,6 +276,7 @@ class Llmd:
 
     name: ClassVar[str] = "llmd"
     argmin: ClassVar[bool] = False  # queue scores are normalised across the candidates
+    slo_aware: ClassVar[bool] = False  # none of the peers queues by an SLO
     weights: ClassVar[tuple[float, float, float]] = (3.0, 2.0, 2.0)  # prefix, queue, kv
 
     def __init__(self) -> None:

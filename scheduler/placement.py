@@ -12,6 +12,7 @@ Decode: the decode worker holding the fewest KV tokens against its capacity.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -35,7 +36,13 @@ class Placer:
         self.index = index
         self.policy = make_policy(config.policy)
 
-    def prefill(self, request: Tracked, workers: Iterable[WorkerState], bound_worker: str | None) -> Placement | None:
+    def prefill(
+        self,
+        request: Tracked,
+        workers: Iterable[WorkerState],
+        bound_worker: str | None,
+        ttft_budget_s: float = math.inf,
+    ) -> Placement | None:
         workers = list(workers)
         blocks, device = self.index.match_counts(request.spec.block_keys)
         view = PlacementView(
@@ -45,6 +52,7 @@ class Placer:
             prefill_rate=lambda w: w.prefill_rate,
             fetch_credit=self.config.fetch_credit,
             prompt_tokens=request.prompt_tokens,
+            ttft_budget_s=ttft_budget_s,
         )
         local = self._local(request, workers, view)
         if local is not None:

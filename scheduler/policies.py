@@ -15,7 +15,9 @@ policy may record its own decisions there (the peers' routers all do).
     llmd_precise        llm-d's precise-prefix-cache profile (2, 1, 1, prefix from KV events)
     switchyard          lowest predicted time to first token: (queued uncached tokens +
                         this prompt's uncached tokens there, fetchable blocks credited) /
-                        that worker's prefill rate
+                        that worker's prefill rate; with a TTFT SLO, the worker that
+                        computes least among those that keep it within half the time
+                        left, and the core's SLO-aware queueing (``slo_aware``)
 
 The peers' routers live in ``peers.py``, re-implemented from their own sources with their
 own defaults.
@@ -38,6 +40,8 @@ from switchyard.scheduler.state import Tracked, WorkerState
 
 log = logging.getLogger(__name__)
 
+_SAFE_SHARE = 0.5  # switchyard: a placement keeps the SLO with room to spare within half the time left
+
 
 @dataclass(frozen=True)
 class PlacementView:
@@ -51,6 +55,7 @@ class PlacementView:
     prefill_rate: Callable[[WorkerState], float]  # tokens/s
     fetch_credit: float  # share of a fetchable block's compute that fetching saves
     prompt_tokens: int
+    ttft_budget_s: float = math.inf  # time left before the request misses its TTFT SLO
 
     @classmethod
     def of(cls, matches: Mapping[str, WorkerMatch], **rest: Any) -> PlacementView:
@@ -88,12 +93,16 @@ class PrefillPolicy(Protocol):
     # True when ``choose`` returns the least of a per-worker key: then the best of all
     # workers, if it fits, is also the best of those that fit (``Placer`` skips a pass).
     argmin: ClassVar[bool]
+    # True when the core should queue a request predicted to miss the TTFT SLO
+    # (``SchedulerConfig.ttft_slo_s``) behind those that can still meet it.
+    slo_aware: ClassVar[bool]
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState: ...
 
 
 class RoundRobin:
     name: ClassVar[str] = "round_robin"
+    slo_aware: ClassVar[bool] = False
     argmin: ClassVar[bool] = False  # it cycles: the next after the last chosen depends on who fits
 
     def __init__(self) -> None:
@@ -110,6 +119,7 @@ class RoundRobin:
 class LeastRequests:
     name: ClassVar[str] = "least_requests"
     argmin: ClassVar[bool] = True  # the least of a key: the best of all, if it fits, is the best that fits
+    slo_aware: ClassVar[bool] = False
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         return min(candidates, key=lambda w: (len(w.assigned), w.worker_id))
@@ -118,6 +128,7 @@ class LeastRequests:
 class LeastTokens:
     name: ClassVar[str] = "least_tokens"
     argmin: ClassVar[bool] = True
+    slo_aware: ClassVar[bool] = False
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         return min(candidates, key=lambda w: (w.load_tokens, w.worker_id))
@@ -128,12 +139,29 @@ class Switchyard:
 
     name: ClassVar[str] = "switchyard"
     argmin: ClassVar[bool] = True
+    slo_aware: ClassVar[bool] = True
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        if view.ttft_budget_s < math.inf:
+            # Among the workers where it would keep its SLO with room to spare, the one that
+            # computes least: cache reuse is capacity, and capacity is the next request's SLO.
+            limit = _SAFE_SHARE * view.ttft_budget_s
+            safe = [w for w in candidates if self.predicted_ttft_s(w, view) <= limit]
+            if safe:
+                return min(safe, key=lambda w: (self.work(w, view), self.predicted_ttft_s(w, view), w.worker_id))
         best = min(candidates, key=lambda w: (self.predicted_ttft_s(w, view), w.worker_id))
         if log.isEnabledFor(logging.DEBUG):
             self.cost(best, request, view)  # logs the winner's terms
         return best
+
+    @staticmethod
+    def work(worker: WorkerState, view: PlacementView) -> float:
+        """What placing the prompt there costs the fleet, in tokens: its uncached tokens;
+        on a colocated worker also everything it runs beside them (the prompts queued
+        there and the KV of the sequences it decodes, each slowed by the prompt)."""
+        if worker.role != "both":
+            return view.uncached_tokens(worker)
+        return view.uncached_tokens(worker) + worker.load_tokens + worker.kv_tokens
 
     @staticmethod
     def predicted_ttft_s(worker: WorkerState, view: PlacementView) -> float:

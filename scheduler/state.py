@@ -68,6 +68,11 @@ class Tracked:
     attempts: int = 0
     requeued: bool = False  # back in the queue after losing its worker: goes ahead
     virtual_start: float | None = None  # its place in the tenants' fair queue
+    # When its prefill was dispatched, and the uncached tokens its worker then had to work
+    # through up to and including its own: how the core learns each worker's rate.
+    dispatched_at: float = 0.0
+    ahead_tokens: int = 0
+    late: bool = False  # predicted to miss the TTFT SLO: queued behind those that can meet it
     local: bool = False  # prefilled by the worker that decodes it (no handoff)
     prefill: PrefillDone | None = None  # set once prefill is done, for decode (re)placement
     decode_started: float | None = None  # when its decode was placed, to learn decode durations

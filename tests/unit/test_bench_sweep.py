@@ -40,11 +40,13 @@ def test_saturation_is_the_goodput_peak_and_the_knee_the_last_load_near_light_lo
 
 def test_a_sweep_writes_sweep_json_and_both_plots_and_finds_each_saturation(tmp_path):
     trace = write_trace(tmp_path / "steady.jsonl", steady())
-    flags = ("--policies", "round_robin,switchyard", "--prefill", "1", "--decode", "1", "--limit", "200")
+    # Two policies that saturate: switchyard, SLO-aware, sheds what cannot make it and may
+    # keep climbing past the sweep's heaviest load.
+    flags = ("--policies", "round_robin,least_tokens", "--prefill", "1", "--decode", "1", "--limit", "200")
     flags += ("--sweep", "4,1,0.4,0.2", "--jobs", "1")
     run_sim_args(trace, tmp_path / "a", *flags)
     record = json.loads((tmp_path / "a" / "sweep.json").read_text())
-    assert list(record["policies"]) == ["round_robin", "switchyard"]
+    assert list(record["policies"]) == ["round_robin", "least_tokens"]
     for entry in record["policies"].values():
         loads = [p["offered_rps"] for p in entry["points"]]
         assert loads == sorted(loads) and len(loads) == 4

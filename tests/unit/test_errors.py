@@ -56,3 +56,13 @@ def test_ingress_errors_are_caught_by_their_subtree_and_the_root(cls):
         raise cls("x")
     with pytest.raises(SwitchyardError):
         raise cls("x")
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [("overloaded", 429), ("deadline_exceeded", 504), ("worker_lost", 502), ("internal", 502)]
+)
+def test_a_failed_stream_becomes_the_http_error_its_code_means(code, status):
+    from switchyard.ingress.errors import generation_error
+
+    error = generation_error(code, "why")
+    assert (error.status, error.code, error.message) == (status, code, "why")
