@@ -44,7 +44,7 @@ DEFAULT_POLICIES = ",".join((*PEERS, OURS))
 # scale 1) and Azure (5.5 req/s of ~1k-token prompts) load a fleet very differently; see
 # docs/bench-sim.md, "Load sweeps across fleet shapes", for how each list was chosen.
 SCALES = {
-    "mooncake": (2.0, 1.5, 1.0, 0.8, 0.65, 0.5, 0.4),
+    "mooncake": (3.0, 2.0, 1.5, 1.0, 0.8, 0.65, 0.5, 0.4),
     "azure": (0.5, 0.25, 0.15, 0.12, 0.1, 0.08, 0.06),
 }
 DEVICE_BLOCKS = 878  # the cost model's HBM KV capacity, in 512-token blocks
