@@ -43,7 +43,7 @@ from switchyard.scheduler.index import PrefixIndex
 from switchyard.scheduler.placement import Placement, Placer
 from switchyard.scheduler.queue import FairQueue
 from switchyard.scheduler.sessions import Binding, SessionTable
-from switchyard.scheduler.state import Tracked, WorkerState
+from switchyard.scheduler.state import Fleet, Tracked, WorkerState
 from switchyard.schemas import (
     Admitted,
     ClusterStatus,
@@ -115,7 +115,11 @@ _RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sam
 class SchedulerCore:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.workers: dict[str, WorkerState] = {}
+        # The workers, with counters and arrays placement reads instead of a pass over them
+        # per request (``Fleet``); ``workers`` is its dict, read-only here: joins and
+        # departures go through ``fleet.add`` and ``fleet.remove``.
+        self.fleet = Fleet()
+        self.workers: dict[str, WorkerState] = self.fleet.workers
         self.requests: dict[str, Tracked] = {}
         self.index = PrefixIndex(config.index_max_entries)
         self.sessions = SessionTable(config.session_ttl_s)
@@ -265,9 +269,8 @@ class SchedulerCore:
 
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for worker in list(self.workers.values()):
-            if now - worker.last_seen > self.config.worker_expiry_s:
-                actions += self._remove_worker(worker.worker_id, now)
+        for worker in self.fleet.expired(now, self.config.worker_expiry_s):
+            actions += self._remove_worker(worker.worker_id, now)
         self.sessions.expire(now)
         if self._started is None:
             self._started = now
@@ -362,6 +365,7 @@ class SchedulerCore:
         return prefill, sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s
 
     def check_invariants(self) -> None:
+        self.fleet.check_invariants()
         for worker in self.workers.values():
             assert worker.load_tokens == sum(worker.assigned.values()), worker.worker_id
             assert worker.kv_tokens == sum(worker.held.values()), worker.worker_id
@@ -381,11 +385,11 @@ class SchedulerCore:
         rid = spec.request_id
         if rid in self.requests:
             return Rejected(request_id=rid, reason="invalid", message=f"duplicate request id {rid}")
-        roles = {w.role for w in self.workers.values()}
+        roles = self.fleet.roles
         missing = [
             need
-            for need, able in (("prefill", {"prefill", "both"}), ("decode", {"decode", "both"}))
-            if not roles & able
+            for need, able in (("prefill", ("prefill", "both")), ("decode", ("decode", "both")))
+            if not any(roles[role] for role in able)
         ]
         if missing:
             return Rejected(
@@ -407,11 +411,7 @@ class SchedulerCore:
     def decode_capacity(self) -> int:
         """KV tokens the decode fleet holds at once: decode workers' budgets, colocated
         workers' KV capacity."""
-        return sum(
-            w.token_budget if w.role == "decode" else w.kv_capacity
-            for w in self.workers.values()
-            if w.role != "prefill"
-        )
+        return self.fleet.decode_capacity  # kept as workers join, leave and report
 
     def _decode_refusal(self, rid: str, decode_tokens: int) -> Rejected | None:
         """429 up front when the decode fleet cannot give this request room in time: what is
@@ -486,7 +486,7 @@ class SchedulerCore:
         while (rid := self._queue.head()) is not None:
             tracked = self.requests[rid]
             placement = self.placer.prefill(
-                tracked, self.workers.values(), self._bound(tracked, now), self._ttft_budget_s(tracked, now)
+                tracked, self.fleet, self._bound(tracked, now), self._ttft_budget_s(tracked, now)
             )
             if placement is None:
                 self._blocked_at = self._epoch
@@ -706,7 +706,7 @@ class SchedulerCore:
         actions: list[Action] = []
         while self._decode_wait:
             tracked = self.requests[self._decode_wait[0]]
-            worker = self.placer.decode(tracked, self.workers.values())
+            worker = self.placer.decode(tracked, self.fleet)
             if worker is None:
                 break
             self._decode_wait.pop(0)
@@ -749,7 +749,7 @@ class SchedulerCore:
                 prefill_rate=self.config.default_prefill_tokens_per_s,
             )
             self._capacity_changed()
-            self.workers[report.worker_id] = worker
+            self.fleet.add(worker)
             actions += self._ask_snapshot(report.worker_id)  # a full dump when a worker joins
         kv_capacity = report.kv_capacity_tokens or report.token_budget
         if (report.token_budget, kv_capacity) != (worker.token_budget, worker.kv_capacity):
@@ -807,7 +807,7 @@ class SchedulerCore:
             worker.last_seen = now
 
     def _remove_worker(self, worker_id: str, now: float) -> list[Action]:
-        worker = self.workers.pop(worker_id, None)
+        worker = self.fleet.remove(worker_id)
         if worker is None:
             return []
         self.index.forget_worker(worker_id)

@@ -8,19 +8,28 @@ first: a prompt whose uncached part on some decode worker is at most
 ``local_prefill_max_tokens`` is prefilled by that decode worker itself (no handoff).
 
 Decode: the decode worker holding the fewest KV tokens against its capacity.
+
+Given the core's ``Fleet`` (not a list of workers), both are decided from its arrays by
+slot where that gives the very same answer: the decode pick always, and a prefill policy
+that can score slots (``choose_slots``: ``switchyard`` without an SLO) from the index's
+``match_slots``. No Python loop over the fleet then, and no worker id looked at but the
+winners' (``docs/bench-scheduler.md``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
 
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import PrefixIndex
 from switchyard.scheduler.policies import PlacementView, decode_cost, make_policy
-from switchyard.scheduler.state import Tracked, WorkerState
+from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +44,70 @@ class Placer:
         self.config = config
         self.index = index
         self.policy = make_policy(config.policy)
+        self._slots = _IndexSlots(index)
 
     def prefill(
         self,
         request: Tracked,
-        workers: Iterable[WorkerState],
+        workers: Iterable[WorkerState] | Fleet,
         bound_worker: str | None,
         ttft_budget_s: float = math.inf,
     ) -> Placement | None:
+        if isinstance(workers, Fleet) and hasattr(self.policy, "choose_slots"):
+            return self._prefill_by_slot(request, workers, bound_worker, ttft_budget_s)
         workers = list(workers)
         blocks, device = self.index.match_counts(request.spec.block_keys)
-        view = PlacementView(
+        view = self._view(request, blocks, device, ttft_budget_s)
+        local = self._local(request, workers, view)
+        if local is not None:
+            return local
+        capable = [w for w in workers if w.role != "decode"]
+        chosen = self._quick(request, capable, bound_worker, view)
+        return self._commit(request, chosen, capable, bound_worker, view)
+
+    def _prefill_by_slot(
+        self, request: Tracked, fleet: Fleet, bound_worker: str | None, ttft_budget_s: float
+    ) -> Placement | None:
+        """``prefill`` with the index's answer as arrays by slot: the same view (its maps
+        read those arrays), and without an SLO or a session the policy scores the fleet's
+        prefill slots in one vector expression instead of ``_quick``'s loop."""
+        blocks, device = self.index.match_slots(request.spec.block_keys)
+        slot_of = self._slots.of_index()
+        view = self._view(request, _BySlot(blocks, slot_of), _BySlot(device, slot_of), ttft_budget_s)
+        if self.config.local_prefill_max_tokens > 0:
+            local = self._local(request, list(fleet), view)
+            if local is not None:
+                return local
+        capable = list(fleet.prefill.values())
+        if bound_worker is not None or ttft_budget_s < math.inf or not capable:
+            chosen = self._quick(request, capable, bound_worker, view)
+        else:
+            slots = fleet.slots("prefill")
+            rows = self._slots.rows(fleet)[slots]
+            uncached = _uncached(view, np.append(blocks, 0)[rows], np.append(device, 0)[rows])
+            best = self.policy.choose_slots(request, fleet, slots, uncached, view)  # type: ignore[attr-defined]
+            chosen = best if self._fits(best, request, view) else None
+        return self._commit(request, chosen, capable, bound_worker, view)
+
+    def _commit(
+        self,
+        request: Tracked,
+        chosen: WorkerState | None,
+        capable: list[WorkerState],
+        bound_worker: str | None,
+        view: PlacementView,
+    ) -> Placement | None:
+        if chosen is None:
+            fitting = [w for w in capable if self._fits(w, request, view)]
+            if not fitting:
+                return None
+            chosen = self._bound(fitting, bound_worker, view) or self.policy.choose(request, fitting, view)
+        return Placement(chosen, "prefill", view.need(chosen))
+
+    def _view(
+        self, request: Tracked, blocks: Mapping[str, int], device: Mapping[str, int], ttft_budget_s: float
+    ) -> PlacementView:
+        return PlacementView(
             blocks=blocks,
             device_blocks=device,
             block_size=request.spec.block_size,
@@ -54,17 +116,6 @@ class Placer:
             prompt_tokens=request.prompt_tokens,
             ttft_budget_s=ttft_budget_s,
         )
-        local = self._local(request, workers, view)
-        if local is not None:
-            return local
-        capable = [w for w in workers if w.role != "decode"]
-        chosen = self._quick(request, capable, bound_worker, view)
-        if chosen is None:
-            fitting = [w for w in capable if self._fits(w, request, view)]
-            if not fitting:
-                return None
-            chosen = self._bound(fitting, bound_worker, view) or self.policy.choose(request, fitting, view)
-        return Placement(chosen, "prefill", view.need(chosen))
 
     def _quick(
         self, request: Tracked, capable: list[WorkerState], bound_worker: str | None, view: PlacementView
@@ -81,8 +132,10 @@ class Placer:
     def _fits(worker: WorkerState, request: Tracked, view: PlacementView) -> bool:
         return worker.fits(view.need(worker)) and (worker.role != "both" or worker.kv_room(request.decode_tokens))
 
-    def decode(self, request: Tracked, workers: Iterable[WorkerState]) -> WorkerState | None:
+    def decode(self, request: Tracked, workers: Iterable[WorkerState] | Fleet) -> WorkerState | None:
         tokens = request.decode_tokens  # a computed property: once, not once a worker
+        if isinstance(workers, Fleet):
+            return _decode_by_slot(workers, tokens)
         fitting = [w for w in workers if w.role == "decode" and w.fits(tokens)]
         return min(fitting, key=decode_cost) if fitting else None
 
@@ -107,3 +160,88 @@ class Placer:
         if not fitting:
             return None
         return Placement(min(fitting, key=decode_cost), "local", request.decode_tokens)
+
+
+def _uncached(
+    view: PlacementView, blocks: npt.NDArray[np.int32], device: npt.NDArray[np.int32]
+) -> npt.NDArray[np.float64]:
+    """``view.uncached_tokens`` for many workers at once, given their matched blocks: the
+    same operations in the same order on the same values (ints exact in float64), so the
+    very same floats."""
+    size = view.block_size
+    prompt = view.prompt_tokens
+    fetchable = (blocks.astype(np.int64) - device) * size
+    computed = (prompt - device.astype(np.int64) * size) - view.fetch_credit * fetchable
+    return np.where(blocks > 0, np.maximum(0.0, computed), float(prompt))
+
+
+def _decode_by_slot(fleet: Fleet, tokens: int) -> WorkerState | None:
+    """``Placer.decode`` from the fleet's arrays: among the decode workers that fit, the
+    least ``decode_cost`` (KV load share, then sequences running, then the id)."""
+    slots = fleet.slots("decode")
+    load, budget = fleet.load[slots], fleet.budget[slots]
+    fits = (load == 0) | (load + tokens <= budget)
+    slots = slots[fits]
+    if not len(slots):
+        return None
+    share = load[fits] / np.maximum(1.0, budget[fits])
+    slots = slots[share == share.min()]
+    if len(slots) > 1:
+        running = fleet.running[slots]
+        slots = slots[running == running.min()]
+    return lowest_id(fleet, slots)
+
+
+class _IndexSlots:
+    """The index's worker slots (``worker_slots``) against the fleet's: which index slot
+    each fleet slot's worker has (``rows``; the index's slot count, one past its last, for a
+    worker it does not know, where the padded arrays read 0), and each known worker's
+    index slot (``of_index``). Rebuilt when either side's workers change."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self._ids: list[str | None] = []
+        self._slot_of: dict[str, int] = {}
+        self._rows: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
+        self._rows_for: tuple[int, int] = (-1, -1)  # (fleet version, index ids version)
+        self._ids_version = 0
+
+    def of_index(self) -> dict[str, int]:
+        ids = self.index.worker_slots()
+        if ids != self._ids:
+            self._ids, self._ids_version = ids, self._ids_version + 1
+            self._slot_of = {w: s for s, w in enumerate(ids) if w is not None}
+        return self._slot_of
+
+    def rows(self, fleet: Fleet) -> npt.NDArray[np.intp]:
+        """By fleet slot; call ``of_index`` first (it checks the index's side)."""
+        if self._rows_for != (fleet.version, self._ids_version) or len(self._rows) != len(fleet.ids):
+            missing = len(self._ids)
+            self._rows = np.array([self._slot_of.get(w, missing) if w else missing for w in fleet.ids], dtype=np.intp)
+            self._rows_for = (fleet.version, self._ids_version)
+        return self._rows
+
+
+class _BySlot(Mapping[str, int]):
+    """Worker id -> count, read from a ``match_slots`` array by index slot; like
+    ``match_counts``' maps it holds only the workers with a count above 0."""
+
+    def __init__(self, counts: npt.NDArray[np.int32], slot_of: dict[str, int]) -> None:
+        self._counts, self._slot_of = counts, slot_of
+
+    def __getitem__(self, worker_id: str) -> int:
+        count = int(self._counts[self._slot_of[worker_id]])
+        if not count:
+            raise KeyError(worker_id)
+        return count
+
+    def get(self, worker_id: str, default: int | None = None) -> int | None:  # type: ignore[override]
+        slot = self._slot_of.get(worker_id)
+        count = 0 if slot is None else int(self._counts[slot])
+        return count if count else default
+
+    def __iter__(self) -> Iterator[str]:
+        return (w for w, s in self._slot_of.items() if self._counts[s])
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._counts))

@@ -34,9 +34,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from switchyard.scheduler.index import WorkerMatch
 from switchyard.scheduler.peers import DynamoKv, Llmd, LlmdPrecise, SglangCacheAware
-from switchyard.scheduler.state import Tracked, WorkerState
+from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +153,25 @@ class Switchyard:
             if safe:
                 return min(safe, key=lambda w: (self.work(w, view), self.predicted_ttft_s(w, view), w.worker_id))
         best = min(candidates, key=lambda w: (self.predicted_ttft_s(w, view), w.worker_id))
+        if log.isEnabledFor(logging.DEBUG):
+            self.cost(best, request, view)  # logs the winner's terms
+        return best
+
+    def choose_slots(
+        self,
+        request: Tracked,
+        fleet: Fleet,
+        slots: npt.NDArray[np.intp],
+        uncached: npt.NDArray[np.float64],
+        view: PlacementView,
+    ) -> WorkerState:
+        """``choose`` without an SLO over the fleet's workers at ``slots`` (``uncached``:
+        ``view.uncached_tokens`` of each), as one vector expression: the same IEEE
+        operations on the same values as ``predicted_ttft_s``, ties to the lowest id, so
+        the very same choice."""
+        assert view.ttft_budget_s == math.inf
+        cost = (fleet.load[slots] + uncached) / fleet.rate[slots]
+        best = lowest_id(fleet, slots[cost == cost.min()])
         if log.isEnabledFor(logging.DEBUG):
             self.cost(best, request, view)  # logs the winner's terms
         return best

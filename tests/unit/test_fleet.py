@@ -1,0 +1,122 @@
+"""The fleet's arrays and counters, and placement from them: the very answers of the
+per-worker Python they replace (``Fleet``, ``Placer`` given a ``Fleet``)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import msgspec
+import pytest
+
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.scheduler.index import PrefixIndex
+from switchyard.scheduler.placement import Placer
+from switchyard.scheduler.state import Fleet, Tracked, WorkerState
+from switchyard.schemas import KvSnapshot, Role
+from tests.support.factories import BLOCK_SIZE, make_spec
+
+ROLES: tuple[Role, ...] = ("prefill", "prefill", "prefill", "both", "decode")
+
+
+def new_worker(wid: str, role: Role, rng: random.Random) -> WorkerState:
+    budget = rng.choice([2_000, 5_000, 100_000])
+    worker = WorkerState(worker_id=wid, role=role, token_budget=budget, block_size=BLOCK_SIZE, last_seen=0.0)
+    worker.kv_capacity = rng.choice([0, 4_000])
+    return worker
+
+
+def test_counters_and_arrays_follow_every_change() -> None:
+    rng, fleet = random.Random(7), Fleet()
+    for step in range(400):
+        roll = rng.random()
+        if roll < 0.3 or not fleet.workers:
+            wid = f"w{rng.randrange(60):02d}"
+            if wid not in fleet.workers:
+                fleet.add(new_worker(wid, rng.choice(ROLES), rng))
+        elif roll < 0.4:
+            fleet.remove(rng.choice(sorted(fleet.workers)))
+        else:
+            worker = fleet.workers[rng.choice(sorted(fleet.workers))]
+            if worker.assigned and rng.random() < 0.5:
+                worker.release(rng.choice(sorted(worker.assigned)))
+            else:
+                worker.assign(f"r{step}", rng.choice([0, 1, 500]))
+            worker.prefill_rate = rng.choice([4_000.0, 8_000.0])
+            worker.token_budget = rng.choice([2_000, 5_000])
+            worker.kv_capacity = rng.choice([0, 4_000])
+            worker.last_seen = float(step)
+        fleet.check_invariants()
+    assert set(fleet.prefill) | set(fleet.decode) == set(fleet.workers)
+    assert list(fleet.prefill) == [w for w, s in fleet.workers.items() if s.role != "decode"]  # join order
+    gone = fleet.remove(next(iter(fleet.workers)))
+    assert gone is not None and gone.fleet is None
+    gone.load_tokens = 12  # no longer mirrored anywhere
+    fleet.check_invariants()
+
+
+def test_expired_workers_come_in_join_order() -> None:
+    fleet, rng = Fleet(), random.Random(1)
+    for i, seen in enumerate([5.0, 0.0, 9.0, 1.0]):
+        worker = new_worker(f"w{3 - i}", "prefill", rng)
+        worker.last_seen = seen
+        fleet.add(worker)
+    assert [w.worker_id for w in fleet.expired(10.0, 4.0)] == ["w3", "w2", "w0"]
+    assert fleet.expired(10.0, 10.0) == []
+
+
+def test_a_role_is_fixed() -> None:
+    fleet = Fleet()
+    fleet.add(new_worker("a", "prefill", random.Random(0)))
+    with pytest.raises(AssertionError, match="role is fixed"):
+        fleet.workers["a"].role = "decode"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int) -> None:
+    """Random fleets (slots reused, so slot order is not id order), loads and rates with
+    many ties, caches on several tiers: the fleet's vector path places every request where
+    the per-worker loop does, prefill (every policy) and decode."""
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    fleet = Fleet()
+    ids = [f"w{i:02d}" for i in range(40)]
+    rng.shuffle(ids)
+    for wid in ids:
+        fleet.add(new_worker(wid, rng.choice(ROLES), rng))
+    for wid in rng.sample(ids, 10):  # free slots in the middle, taken again out of id order
+        fleet.remove(wid)
+        if rng.random() < 0.7:
+            fleet.add(new_worker(wid, rng.choice(ROLES), rng))
+    prefixes = [[rng.randrange(1 << 63) for _ in range(8)] for _ in range(6)]
+    for wid in rng.sample(sorted(fleet.workers), 25):
+        blocks: dict[str, list[int]] = {}
+        for tier in ("device", "host", "cluster"):
+            if rng.random() < 0.5:
+                blocks[tier] = rng.choice(prefixes)[: rng.randrange(1, 9)]
+        index.load_snapshot(KvSnapshot(worker_id=wid, seq=0, blocks=blocks))
+    index.load_snapshot(KvSnapshot(worker_id="not-in-fleet", seq=0, blocks={"device": prefixes[0]}))
+    for name in ("switchyard", "dynamo_kv", "least_tokens", "round_robin"):
+        config = SchedulerConfig(policy=name, fetch_credit=rng.choice([0.0, 0.8]))
+        fast, slow = Placer(config, index), Placer(config, index)
+        for i in range(60):
+            for worker in fleet:  # ties: a few loads and rates only
+                worker.load_tokens = rng.choice([0, 0, 512, 1024])  # the ledger is not the point here
+                worker.prefill_rate = rng.choice([8_000.0, 8_000.0, 6_000.0])
+            keys = [*rng.choice(prefixes)[: rng.randrange(0, 9)], rng.randrange(1 << 63)]
+            spec = msgspec.structs.replace(make_spec(f"r{i}", prompt_len=len(keys) * BLOCK_SIZE - 3), block_keys=keys)
+            request = Tracked(spec=spec, enqueued_at=0.0, order=i)
+            for budget in (math.inf, 0.5):
+                by_slot = fast.prefill(request, fleet, None, budget)
+                by_worker = slow.prefill(request, list(fleet), None, budget)
+                assert (by_slot is None) == (by_worker is None), (name, i)
+                if by_slot is not None and by_worker is not None:
+                    assert (by_slot.worker.worker_id, by_slot.kind, by_slot.tokens) == (
+                        by_worker.worker.worker_id,
+                        by_worker.kind,
+                        by_worker.tokens,
+                    ), (name, i, budget)
+            decoded = fast.decode(request, fleet)
+            expected = slow.decode(request, list(fleet))
+            assert (decoded and decoded.worker_id) == (expected and expected.worker_id), (name, i)
