@@ -361,7 +361,7 @@ class SchedulerCore:
     def _prefill_fleet(self) -> tuple[list[WorkerState], float]:
         """The workers that prefill, and their rate together (the configured default before
         any is measured)."""
-        prefill = [w for w in self.workers.values() if w.role != "decode"]
+        prefill = list(self.fleet.prefill.values())  # in the order they joined, as ever
         return prefill, sum(w.prefill_rate for w in prefill) or self.config.default_prefill_tokens_per_s
 
     def check_invariants(self) -> None:

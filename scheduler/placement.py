@@ -78,16 +78,21 @@ class Placer:
             local = self._local(request, list(fleet), view)
             if local is not None:
                 return local
-        capable = list(fleet.prefill.values())
-        if bound_worker is not None or ttft_budget_s < math.inf or not capable:
+        if bound_worker is not None or ttft_budget_s < math.inf or not fleet.prefill:
+            capable = list(fleet.prefill.values())
             chosen = self._quick(request, capable, bound_worker, view)
-        else:
-            slots = fleet.slots("prefill")
-            rows = self._slots.rows(fleet)[slots]
-            uncached = _uncached(view, np.append(blocks, 0)[rows], np.append(device, 0)[rows])
-            best = self.policy.choose_slots(request, fleet, slots, uncached, view)  # type: ignore[attr-defined]
-            chosen = best if self._fits(best, request, view) else None
-        return self._commit(request, chosen, capable, bound_worker, view)
+            return self._commit(request, chosen, capable, bound_worker, view)
+        # The policy's choice among the workers that fit: what ``_quick`` finds (the best of
+        # all fits) or else ``_commit`` (the best of those that fit), for an argmin policy.
+        slots = fleet.slots("prefill")
+        rows = self._slots.rows(fleet)[slots]
+        uncached = _uncached(view, np.append(blocks, 0)[rows], np.append(device, 0)[rows])
+        fit = _fitting(fleet, slots, uncached, request.decode_tokens)
+        if not fit.any():
+            return None
+        chosen = self.policy.choose_slots(request, fleet, slots[fit], uncached[fit], view)  # type: ignore[attr-defined]
+        assert self._fits(chosen, request, view), chosen.worker_id
+        return Placement(chosen, "prefill", view.need(chosen))
 
     def _commit(
         self,
@@ -173,6 +178,19 @@ def _uncached(
     fetchable = (blocks.astype(np.int64) - device) * size
     computed = (prompt - device.astype(np.int64) * size) - view.fetch_credit * fetchable
     return np.where(blocks > 0, np.maximum(0.0, computed), float(prompt))
+
+
+def _fitting(
+    fleet: Fleet, slots: npt.NDArray[np.intp], uncached: npt.NDArray[np.float64], decode_tokens: int
+) -> npt.NDArray[np.bool_]:
+    """``Placer._fits`` of each worker at ``slots``: its ledger takes ``view.need`` (at least
+    one token, ``uncached`` rounded up), and a colocated one has KV room for the request."""
+    need = np.maximum(1.0, np.ceil(uncached))
+    load = fleet.load[slots]
+    fits = (load == 0) | (load + need <= fleet.budget[slots])
+    kv_room = (fleet.holding[slots] == 0) | (fleet.kv[slots] + decode_tokens <= fleet.kv_cap[slots])
+    fitting: npt.NDArray[np.bool_] = fits & ((fleet.colocated[slots] == 0) | kv_room)
+    return fitting
 
 
 def _decode_by_slot(fleet: Fleet, tokens: int) -> WorkerState | None:

@@ -16,6 +16,7 @@ sets ``load_tokens`` or ``prefill_rate``, the arrays cannot go stale.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,9 +110,22 @@ class Tracked:
 
 
 # What ``Fleet`` mirrors: the fields placement scores workers by. ``load_tokens`` also
-# stands for ``len(assigned)``: every change to ``assigned`` (``assign``, ``release``) is
-# followed by setting ``load_tokens``, even by 0.
-_MIRRORED = frozenset({"load_tokens", "prefill_rate", "token_budget", "kv_capacity", "last_seen", "role"})
+# stands for ``len(assigned)`` and ``kv_tokens`` for ``len(held)``: every change to
+# ``assigned`` or ``held`` (``assign``, ``hold``, ``release``) is followed by setting those,
+# even to the same value.
+_MIRRORED = frozenset({"load_tokens", "kv_tokens", "prefill_rate", "token_budget", "kv_capacity", "last_seen", "role"})
+# The arrays, and what a free slot reads.
+_ARRAYS = {
+    "load": 0.0,  # load_tokens (float64: exact for any ledger, < 2**53 tokens)
+    "running": 0.0,  # len(assigned)
+    "kv": 0.0,  # kv_tokens
+    "holding": 0.0,  # len(held)
+    "rate": 1.0,  # prefill_rate
+    "budget": 0.0,  # token_budget
+    "kv_cap": 0.0,  # kv_capacity
+    "colocated": 0.0,  # 1.0 for role "both"
+    "last_seen": math.inf,
+}
 
 
 def kv_share(worker: WorkerState) -> int:
@@ -125,9 +139,18 @@ def kv_share(worker: WorkerState) -> int:
 class Fleet:
     """The workers by id (``workers``, in the order they joined, as are ``prefill``, the
     prefill-capable ones, and ``decode``), counters the core would otherwise recompute per
-    request (``roles``, ``decode_capacity``), and arrays by slot of the mirrored fields.
-    A free slot reads load 0, rate 1, budget 0, ``last_seen`` +inf and is in no role's
-    slot list; a new worker takes the lowest free slot."""
+    request (``roles``, ``decode_capacity``), and arrays by slot of the mirrored fields
+    (``_ARRAYS``). A free slot is in no role's slot list; a new worker takes the lowest."""
+
+    load: npt.NDArray[np.float64]
+    running: npt.NDArray[np.float64]
+    kv: npt.NDArray[np.float64]
+    holding: npt.NDArray[np.float64]
+    rate: npt.NDArray[np.float64]
+    budget: npt.NDArray[np.float64]
+    kv_cap: npt.NDArray[np.float64]
+    colocated: npt.NDArray[np.float64]
+    last_seen: npt.NDArray[np.float64]
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerState] = {}
@@ -136,11 +159,8 @@ class Fleet:
         self.roles: Counter[str] = Counter()
         self.decode_capacity = 0
         self.ids: list[str | None] = []  # slot -> worker id
-        self.load: npt.NDArray[np.float64] = np.zeros(0)  # exact for any ledger (< 2**53 tokens)
-        self.rate: npt.NDArray[np.float64] = np.ones(0)
-        self.budget: npt.NDArray[np.float64] = np.zeros(0)
-        self.running: npt.NDArray[np.float64] = np.zeros(0)  # len(assigned)
-        self.last_seen: npt.NDArray[np.float64] = np.full(0, np.inf)
+        for name in _ARRAYS:
+            setattr(self, name, np.zeros(0))
         self.version = 0  # bumped when a worker joins or leaves
         self._slots: dict[str, npt.NDArray[np.intp]] = {}  # role group -> slots, of this version
         self._slots_version = -1
@@ -160,7 +180,8 @@ class Fleet:
         self.roles[worker.role] += 1
         self.decode_capacity += kv_share(worker)
         worker.slot = slot
-        self._write(worker)
+        for name, value in self._row(worker).items():
+            getattr(self, name)[slot] = value
         worker.fleet = self
         self.version += 1
 
@@ -174,8 +195,8 @@ class Fleet:
         slot = worker.slot
         worker.fleet, worker.slot = None, -1
         self.ids[slot] = None
-        self.load[slot], self.rate[slot], self.budget[slot], self.running[slot] = 0.0, 1.0, 0.0, 0.0
-        self.last_seen[slot] = np.inf
+        for name, free in _ARRAYS.items():
+            getattr(self, name)[slot] = free
         self.version += 1
         return worker
 
@@ -184,18 +205,19 @@ class Fleet:
         slot = worker.slot
         if name == "load_tokens":
             self.load[slot], self.running[slot] = value, len(worker.assigned)
+        elif name == "kv_tokens":
+            self.kv[slot], self.holding[slot] = value, len(worker.held)
         elif name == "prefill_rate":
             self.rate[slot] = value
         elif name == "last_seen":
             self.last_seen[slot] = value
         elif name == "role":
             assert value == worker.role, "a worker's role is fixed: it registers again under a new one"
-        else:  # token_budget, kv_capacity
+        else:  # token_budget, kv_capacity: the decode capacity too
             self.decode_capacity -= kv_share(worker)
             object.__setattr__(worker, name, value)
             self.decode_capacity += kv_share(worker)
-            if name == "token_budget":
-                self.budget[slot] = value
+            (self.budget if name == "token_budget" else self.kv_cap)[slot] = value
 
     def slots(self, group: str) -> npt.NDArray[np.intp]:
         """The slots of the ``prefill`` or ``decode`` workers, in slot order."""
@@ -224,29 +246,34 @@ class Fleet:
         slot = len(self.ids)
         grow = max(16, slot)
         self.ids += [None] * grow
-        self.load = np.concatenate([self.load, np.zeros(grow)])
-        self.rate = np.concatenate([self.rate, np.ones(grow)])
-        self.budget = np.concatenate([self.budget, np.zeros(grow)])
-        self.running = np.concatenate([self.running, np.zeros(grow)])
-        self.last_seen = np.concatenate([self.last_seen, np.full(grow, np.inf)])
+        for name, free in _ARRAYS.items():
+            setattr(self, name, np.concatenate([getattr(self, name), np.full(grow, free)]))
         return slot
 
-    def _write(self, worker: WorkerState) -> None:
-        slot = worker.slot
-        self.load[slot], self.rate[slot] = worker.load_tokens, worker.prefill_rate
-        self.budget[slot], self.running[slot] = worker.token_budget, len(worker.assigned)
-        self.last_seen[slot] = worker.last_seen
+    @staticmethod
+    def _row(worker: WorkerState) -> dict[str, float]:
+        return {
+            "load": worker.load_tokens,
+            "running": len(worker.assigned),
+            "kv": worker.kv_tokens,
+            "holding": len(worker.held),
+            "rate": worker.prefill_rate,
+            "budget": worker.token_budget,
+            "kv_cap": worker.kv_capacity,
+            "colocated": float(worker.role == "both"),
+            "last_seen": worker.last_seen,
+        }
 
     def check_invariants(self) -> None:
-        assert self.roles == Counter(w.role for w in self.workers.values()) + Counter(), self.roles
+        assert self.roles == Counter(w.role for w in self.workers.values()), self.roles
         assert self.decode_capacity == sum(kv_share(w) for w in self.workers.values())
         for worker in self.workers.values():
             slot = worker.slot
             assert worker.fleet is self and self.ids[slot] == worker.worker_id, worker.worker_id
-            assert self.load[slot] == worker.load_tokens and self.rate[slot] == worker.prefill_rate
-            assert self.budget[slot] == worker.token_budget and self.running[slot] == len(worker.assigned)
-            assert self.last_seen[slot] == worker.last_seen
-        assert sum(wid is not None for wid in self.ids) == len(self.workers)
+            for name, value in self._row(worker).items():
+                assert getattr(self, name)[slot] == value, (worker.worker_id, name)
+        for slot in (s for s, w in enumerate(self.ids) if w is None):
+            assert all(getattr(self, name)[slot] == free for name, free in _ARRAYS.items()), slot
 
 
 def lowest_id(fleet: Fleet, slots: npt.NDArray[np.intp]) -> WorkerState:

@@ -101,9 +101,14 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int) 
         config = SchedulerConfig(policy=name, fetch_credit=rng.choice([0.0, 0.8]))
         fast, slow = Placer(config, index), Placer(config, index)
         for i in range(60):
-            for worker in fleet:  # ties: a few loads and rates only
+            for worker in fleet:  # ties: a few loads and rates only; many that do not fit
                 worker.load_tokens = rng.choice([0, 0, 512, 1024])  # the ledger is not the point here
                 worker.prefill_rate = rng.choice([8_000.0, 8_000.0, 6_000.0])
+                worker.token_budget = rng.choice([600, 1_100, 100_000])
+                for rid in list(worker.held):
+                    worker.release(rid)
+                if worker.role == "both" and rng.random() < 0.5:
+                    worker.hold(f"kv{i}", rng.choice([100, 3_900]))
             keys = [*rng.choice(prefixes)[: rng.randrange(0, 9)], rng.randrange(1 << 63)]
             spec = msgspec.structs.replace(make_spec(f"r{i}", prompt_len=len(keys) * BLOCK_SIZE - 3), block_keys=keys)
             request = Tracked(spec=spec, enqueued_at=0.0, order=i)
