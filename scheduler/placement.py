@@ -187,7 +187,9 @@ def _fitting(
     one token, ``uncached`` rounded up), and a colocated one has KV room for the request."""
     need = np.maximum(1.0, np.ceil(uncached))
     load = fleet.load[slots]
-    fits = (load == 0) | (load + need <= fleet.budget[slots])
+    fits: npt.NDArray[np.bool_] = (load == 0) | (load + need <= fleet.budget[slots])
+    if not fleet.roles["both"]:
+        return fits  # no colocated worker: no KV room to check
     kv_room = (fleet.holding[slots] == 0) | (fleet.kv[slots] + decode_tokens <= fleet.kv_cap[slots])
     fitting: npt.NDArray[np.bool_] = fits & ((fleet.colocated[slots] == 0) | kv_room)
     return fitting

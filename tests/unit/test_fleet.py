@@ -79,16 +79,17 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int) 
     the per-worker loop does, prefill (every policy) and decode."""
     print(f"seed={seed}")
     rng = random.Random(seed)
+    roles: tuple[Role, ...] = ROLES if seed % 2 else ("prefill", "prefill", "decode")  # colocated or not
     index = PrefixIndex()
     fleet = Fleet()
     ids = [f"w{i:02d}" for i in range(40)]
     rng.shuffle(ids)
     for wid in ids:
-        fleet.add(new_worker(wid, rng.choice(ROLES), rng))
+        fleet.add(new_worker(wid, rng.choice(roles), rng))
     for wid in rng.sample(ids, 10):  # free slots in the middle, taken again out of id order
         fleet.remove(wid)
         if rng.random() < 0.7:
-            fleet.add(new_worker(wid, rng.choice(ROLES), rng))
+            fleet.add(new_worker(wid, rng.choice(roles), rng))
     prefixes = [[rng.randrange(1 << 63) for _ in range(8)] for _ in range(6)]
     for wid in rng.sample(sorted(fleet.workers), 25):
         blocks: dict[str, list[int]] = {}
