@@ -69,8 +69,8 @@ class Placer:
         self, request: Tracked, fleet: Fleet, bound_worker: str | None, ttft_budget_s: float
     ) -> Placement | None:
         """``prefill`` with the index's answer as arrays by slot: the same view (its maps
-        read those arrays), and without an SLO or a session the policy scores the fleet's
-        prefill slots in one vector expression instead of ``_quick``'s loop."""
+        read those arrays), and without a session binding the policy scores the fleet's
+        prefill slots in vector expressions instead of ``_quick``'s loop."""
         blocks, device = self.index.match_slots(request.spec.block_keys)
         slot_of = self._slots.of_index()
         view = self._view(request, _BySlot(blocks, slot_of), _BySlot(device, slot_of), ttft_budget_s)
@@ -78,12 +78,14 @@ class Placer:
             local = self._local(request, list(fleet), view)
             if local is not None:
                 return local
-        if bound_worker is not None or ttft_budget_s < math.inf or not fleet.prefill:
+        if bound_worker is not None or not fleet.prefill:
             capable = list(fleet.prefill.values())
             chosen = self._quick(request, capable, bound_worker, view)
             return self._commit(request, chosen, capable, bound_worker, view)
         # The policy's choice among the workers that fit: what ``_quick`` finds (the best of
-        # all fits) or else ``_commit`` (the best of those that fit), for an argmin policy.
+        # all, if it fits) or else ``_commit`` (the best of those that fit), for a policy
+        # whose choice among a subset that holds its choice among all is that same worker
+        # (``argmin``; ``switchyard``'s SLO rule too: the least of the safe, else the fastest).
         slots = fleet.slots("prefill")
         rows = self._slots.rows(fleet)[slots]
         uncached = _uncached(view, np.append(blocks, 0)[rows], np.append(device, 0)[rows])

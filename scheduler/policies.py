@@ -165,13 +165,21 @@ class Switchyard:
         uncached: npt.NDArray[np.float64],
         view: PlacementView,
     ) -> WorkerState:
-        """``choose`` without an SLO over the fleet's workers at ``slots`` (``uncached``:
-        ``view.uncached_tokens`` of each), as one vector expression: the same IEEE
-        operations on the same values as ``predicted_ttft_s``, ties to the lowest id, so
-        the very same choice."""
-        assert view.ttft_budget_s == math.inf
-        cost = (fleet.load[slots] + uncached) / fleet.rate[slots]
-        best = lowest_id(fleet, slots[cost == cost.min()])
+        """``choose`` over the fleet's workers at ``slots`` (``uncached``: each one's
+        ``view.uncached_tokens``) as vector expressions: the same IEEE operations on the
+        same values as ``predicted_ttft_s`` and ``work``, the same order of keys, ties to
+        the lowest id, so the very same choice."""
+        load = fleet.load[slots]
+        predicted = (load + uncached) / fleet.rate[slots]
+        if view.ttft_budget_s < math.inf:
+            safe = predicted <= _SAFE_SHARE * view.ttft_budget_s
+            if safe.any():
+                colocated = fleet.colocated[slots] != 0
+                work = np.where(colocated, (uncached + load) + fleet.kv[slots], uncached)
+                safe &= work == work[safe].min()
+                safe &= predicted == predicted[safe].min()
+                return lowest_id(fleet, slots[safe])
+        best = lowest_id(fleet, slots[predicted == predicted.min()])
         if log.isEnabledFor(logging.DEBUG):
             self.cost(best, request, view)  # logs the winner's terms
         return best

@@ -113,7 +113,7 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int) 
             keys = [*rng.choice(prefixes)[: rng.randrange(0, 9)], rng.randrange(1 << 63)]
             spec = msgspec.structs.replace(make_spec(f"r{i}", prompt_len=len(keys) * BLOCK_SIZE - 3), block_keys=keys)
             request = Tracked(spec=spec, enqueued_at=0.0, order=i)
-            for budget in (math.inf, 0.5):
+            for budget in (math.inf, 0.5, 0.1, 0.001):  # with an SLO: all, some or none safe
                 by_slot = fast.prefill(request, fleet, None, budget)
                 by_worker = slow.prefill(request, list(fleet), None, budget)
                 assert (by_slot is None) == (by_worker is None), (name, i)
