@@ -11,8 +11,8 @@ Decode: the decode worker holding the fewest KV tokens against its capacity.
 
 Given the core's ``Fleet`` (not a list of workers), both are decided from its arrays by
 slot where that gives the very same answer: the decode pick always, and a prefill policy
-that can score slots (``choose_slots``: ``switchyard`` without an SLO) from the index's
-``match_slots``. No Python loop over the fleet then, and no worker id looked at but the
+that can score slots (``choose_slots``: ``switchyard``, with or without a TTFT SLO, unless a
+session binds the request) from the index's ``match_slots``. No Python loop over the fleet then, and no worker id looked at but the
 winners' (``docs/bench-scheduler.md``).
 """
 
