@@ -55,7 +55,7 @@ class PlacementView:
     prefill_rate: Callable[[WorkerState], float]  # tokens/s
     fetch_credit: float  # share of a fetchable block's compute that fetching saves
     prompt_tokens: int
-    ttft_budget_s: float = math.inf  # time left before the request misses its TTFT SLO
+    ttft_budget_s: float = math.inf  # time left before it misses its TTFT SLO (-inf: late already)
 
     @classmethod
     def of(cls, matches: Mapping[str, WorkerMatch], **rest: Any) -> PlacementView:
@@ -145,14 +145,36 @@ class Switchyard:
         if view.ttft_budget_s < math.inf:
             # Among the workers where it would keep its SLO with room to spare, the one that
             # computes least: cache reuse is capacity, and capacity is the next request's SLO.
-            limit = _SAFE_SHARE * view.ttft_budget_s
-            safe = [w for w in candidates if self.predicted_ttft_s(w, view) <= limit]
-            if safe:
-                return min(safe, key=lambda w: (self.work(w, view), self.predicted_ttft_s(w, view), w.worker_id))
+            return self._least_work_in_time(candidates, view, _SAFE_SHARE * view.ttft_budget_s)
         best = min(candidates, key=lambda w: (self.predicted_ttft_s(w, view), w.worker_id))
         if log.isEnabledFor(logging.DEBUG):
             self.cost(best, request, view)  # logs the winner's terms
         return best
+
+    @classmethod
+    def _least_work_in_time(cls, candidates: list[WorkerState], view: PlacementView, limit_s: float) -> WorkerState:
+        """The least ``work`` (then the least predicted TTFT, then the lowest id) among the
+        workers predicted to answer within ``limit_s``; if none is, the quickest. One pass:
+        each worker's uncached tokens computed once, and only for the workers the index
+        matched (every other prefill worker computes the whole prompt), as this runs over
+        the whole fleet once a decision."""
+        matched, prompt, rate = view.blocks, float(view.prompt_tokens), view.prefill_rate
+        safe: tuple[float, float, str] | None = None
+        quickest: tuple[float, str] | None = None
+        by_id: dict[str, WorkerState] = {}
+        for w in candidates:
+            uncached = view.uncached_tokens(w) if w.worker_id in matched else prompt
+            ttft = (w.load_tokens + uncached) / rate(w)
+            if quickest is None or (ttft, w.worker_id) < quickest:
+                quickest = (ttft, w.worker_id)
+                by_id[w.worker_id] = w
+            if ttft <= limit_s:
+                work = uncached if w.role != "both" else uncached + w.load_tokens + w.kv_tokens
+                if safe is None or (work, ttft, w.worker_id) < safe:
+                    safe = (work, ttft, w.worker_id)
+                    by_id[w.worker_id] = w
+        assert quickest is not None, "no candidates"
+        return by_id[safe[2] if safe is not None else quickest[1]]
 
     @staticmethod
     def work(worker: WorkerState, view: PlacementView) -> float:
