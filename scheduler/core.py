@@ -485,7 +485,7 @@ class SchedulerCore:
             return actions
         while (rid := self._queue.head()) is not None:
             tracked = self.requests[rid]
-            if tracked.late and not self._any_slack():
+            if tracked.late and not self._any_slack() and not self._over_every_budget(tracked):
                 self._blocked_at = self._epoch  # only late requests are queued: none can run yet
                 return actions
             placement = self.placer.prefill(
@@ -539,12 +539,7 @@ class SchedulerCore:
     def _any_slack(self) -> bool:
         """Whether ``_slack`` can hold for any worker: checked before a late request's
         placement pass, which costs a pass over the fleet and the index lookup."""
-        limit = _LATE_SLACK * self.config.ttft_slo_s
-        return any(
-            w.load_tokens <= limit * w.prefill_rate and self._slack(w)
-            for w in self.workers.values()
-            if w.role != "decode"
-        )
+        return any(self._slack(w) for w in self.workers.values() if w.role != "decode")
 
     def _slack(self, worker: WorkerState) -> bool:
         """Capacity nobody else needs: this worker, and the prefill fleet as a whole, are
@@ -587,13 +582,17 @@ class SchedulerCore:
                 )
         return actions
 
+    def _over_every_budget(self, tracked: Tracked) -> bool:
+        capable = [w for w in self.workers.values() if w.role != "decode"]
+        return bool(capable) and all(tracked.prompt_tokens > w.token_budget for w in capable)
+
     def _backfill(self, head: Tracked, now: float) -> list[Action]:
         """A head larger than every worker's budget fits only an idle worker. Rather than
         leave the whole fleet to drain for it, the worker that frees up first is kept for
         it and the requests behind it (a bounded look-ahead, in order) may go to the others."""
-        capable = [w for w in self.workers.values() if w.role != "decode"]
-        if not capable or any(head.prompt_tokens <= w.token_budget for w in capable):
+        if not self._over_every_budget(head):
             return []
+        capable = [w for w in self.workers.values() if w.role != "decode"]
         kept = min(capable, key=lambda w: (w.load_tokens / w.prefill_rate, w.worker_id))
         others = [w for w in self.workers.values() if w is not kept]
         actions: list[Action] = []
