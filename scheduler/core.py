@@ -485,6 +485,9 @@ class SchedulerCore:
             return actions
         while (rid := self._queue.head()) is not None:
             tracked = self.requests[rid]
+            if tracked.late and not self._any_slack() and not self._over_every_budget(tracked):
+                self._blocked_at = self._epoch  # only late requests are queued: none can run yet
+                return actions
             placement = self.placer.prefill(
                 tracked, self.fleet, self._bound(tracked, now), self._ttft_budget_s(tracked, now)
             )
@@ -493,7 +496,10 @@ class SchedulerCore:
                 return actions + self._backfill(tracked, now)  # the head waits; nobody else jumps it
             if self._misses_slo(tracked, placement, now):
                 self._queue.demote(tracked)  # behind every request that can still make it
-                continue
+                if self._queue.head() != rid:
+                    continue
+                # Still the head: nothing else waits. No worker keeps its SLO, so the policy's
+                # choice was already the quickest, the one a late request gets: no second pass.
             if tracked.late and not self._slack(placement.worker):
                 self._blocked_at = self._epoch  # only late requests are queued: they wait for slack
                 return actions
@@ -513,9 +519,12 @@ class SchedulerCore:
         return self.config.ttft_slo_s > 0 and self.placer.policy.slo_aware
 
     def _ttft_budget_s(self, tracked: Tracked, now: float) -> float:
-        """Time left before this request misses the TTFT SLO (infinite: none to keep)."""
-        if tracked.late or not self._slo_aware():
+        """Time left before this request misses the TTFT SLO (infinite: none to keep; minus
+        infinite: a late request, which it cannot keep)."""
+        if not self._slo_aware():
             return math.inf
+        if tracked.late:
+            return -math.inf
         return self.config.ttft_slo_s - (now - tracked.enqueued_at)
 
     def _misses_slo(self, tracked: Tracked, placement: Placement, now: float) -> bool:
@@ -526,6 +535,11 @@ class SchedulerCore:
         worker = placement.worker
         predicted = (worker.load_tokens + placement.tokens) / worker.prefill_rate
         return now - tracked.enqueued_at + predicted > self.config.ttft_slo_s
+
+    def _any_slack(self) -> bool:
+        """Whether ``_slack`` can hold for any worker: checked before a late request's
+        placement pass, which costs a pass over the fleet and the index lookup."""
+        return any(self._slack(w) for w in self.workers.values() if w.role != "decode")
 
     def _slack(self, worker: WorkerState) -> bool:
         """Capacity nobody else needs: this worker, and the prefill fleet as a whole, are
@@ -568,13 +582,17 @@ class SchedulerCore:
                 )
         return actions
 
+    def _over_every_budget(self, tracked: Tracked) -> bool:
+        capable = [w for w in self.workers.values() if w.role != "decode"]
+        return bool(capable) and all(tracked.prompt_tokens > w.token_budget for w in capable)
+
     def _backfill(self, head: Tracked, now: float) -> list[Action]:
         """A head larger than every worker's budget fits only an idle worker. Rather than
         leave the whole fleet to drain for it, the worker that frees up first is kept for
         it and the requests behind it (a bounded look-ahead, in order) may go to the others."""
-        capable = [w for w in self.workers.values() if w.role != "decode"]
-        if not capable or any(head.prompt_tokens <= w.token_budget for w in capable):
+        if not self._over_every_budget(head):
             return []
+        capable = [w for w in self.workers.values() if w.role != "decode"]
         kept = min(capable, key=lambda w: (w.load_tokens / w.prefill_rate, w.worker_id))
         others = [w for w in self.workers.values() if w is not kept]
         actions: list[Action] = []

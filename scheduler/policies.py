@@ -58,7 +58,7 @@ class PlacementView:
     prefill_rate: Callable[[WorkerState], float]  # tokens/s
     fetch_credit: float  # share of a fetchable block's compute that fetching saves
     prompt_tokens: int
-    ttft_budget_s: float = math.inf  # time left before the request misses its TTFT SLO
+    ttft_budget_s: float = math.inf  # time left before it misses its TTFT SLO (-inf: late already)
 
     @classmethod
     def of(cls, matches: Mapping[str, WorkerMatch], **rest: Any) -> PlacementView:
