@@ -423,29 +423,24 @@ class SchedulerCore:
             # Prefilled requests already wait for decode room: one let in now would wait too,
             # after its first token, and so miss its time per output token.
             waiting = sum(self.requests[r].decode_tokens for r in self._decode_wait)
-            wait = max(1.0, math.ceil(self._decode_s * waiting / max(capacity, 1)))
-            return Rejected(
-                request_id=rid,
-                reason="overloaded",
-                retry_after_s=wait,
-                message=(
-                    f"decode is full: {len(self._decode_wait)} prefilled requests wait for room; "
-                    f"retry in about {wait:.0f} s"
-                ),
-            )
+            return self._decode_full(rid, f"{len(self._decode_wait)} prefilled requests wait for room", waiting)
         limit = self.config.decode_overcommit * capacity
         if self._decode_demand == 0 or self._decode_demand + decode_tokens <= limit:
             return None
-        excess = self._decode_demand + decode_tokens - limit
-        wait = max(1.0, math.ceil(self._decode_s * excess / max(capacity, 1)))
+        why = (
+            f"requests in flight claim {self._decode_demand} KV tokens of {capacity} "
+            f"({self.config.decode_overcommit:g}x allowed)"
+        )
+        return self._decode_full(rid, why, self._decode_demand + decode_tokens - limit)
+
+    def _decode_full(self, rid: str, why: str, excess_tokens: float) -> Rejected:
+        """The 429 of a full decode fleet: retry once decodes have freed ``excess_tokens``."""
+        wait = max(1.0, math.ceil(self._decode_s * excess_tokens / max(self.decode_capacity(), 1)))
         return Rejected(
             request_id=rid,
             reason="overloaded",
             retry_after_s=wait,
-            message=(
-                f"decode is full: requests in flight claim {self._decode_demand} KV tokens of "
-                f"{capacity} ({self.config.decode_overcommit:g}x allowed); retry in about {wait:.0f} s"
-            ),
+            message=f"decode is full: {why}; retry in about {wait:.0f} s",
         )
 
     def _learn_decode(self, tracked: Tracked, now: float) -> None:
