@@ -198,6 +198,9 @@ async def test_a_worker_that_never_acks_times_out_and_its_request_is_handed_back
                     break
         assert errors[0].code == "worker_lost"
         await tg.start(build_worker(worker_config(nats.url, "prefill")).run)
+        # Until the scheduler has heard the new worker's first heartbeat it has no prefill
+        # worker (mute is gone) and would refuse the resubmission (seen under CI load).
+        await _wait(lambda: any(w.role == "prefill" and wid != "mute" for wid, w in sched.core.workers.items()))
         again = msgspec.structs.replace(spec, attempt=1)  # as an ingress submits it again
         await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=again)), timeout=5)
         chunks = await _collect(sub, "r3", 4)
