@@ -532,25 +532,31 @@ class SchedulerCore:
         return now - tracked.enqueued_at + predicted > self.config.ttft_slo_s
 
     def _any_slack(self) -> bool:
-        """Whether ``_slack`` can hold for any worker: checked before a late request's
-        placement pass, which costs a pass over the fleet and the index lookup."""
-        return any(self._slack(w) for w in self.workers.values() if w.role != "decode")
+        """Whether ``_slack`` holds for any worker: checked before a late request's placement
+        pass, which costs a pass over the fleet and the index lookup. The fleet's queue is
+        summed once, not once a worker."""
+        idle = [w for w in self.fleet.prefill.values() if self._worker_slack(w)]
+        return any(self._spare_lately(w) for w in idle) or (bool(idle) and self._fleet_drains())
 
     def _slack(self, worker: WorkerState) -> bool:
         """Capacity nobody else needs: this worker, and the prefill fleet as a whole, are
         about to run out of work."""
-        limit = _LATE_SLACK * self.config.ttft_slo_s
-        if worker.load_tokens / worker.prefill_rate > limit:
-            return False
-        if self._busy < _BUSY_SPARE and worker.role != "both":
-            # The fleet has had spare capacity lately: late work crowds nobody out. (Not on a
-            # colocated worker: a prompt there slows every sequence it decodes.)
-            return True
+        return self._worker_slack(worker) and (self._spare_lately(worker) or self._fleet_drains())
+
+    def _worker_slack(self, worker: WorkerState) -> bool:
+        return worker.load_tokens / worker.prefill_rate <= _LATE_SLACK * self.config.ttft_slo_s
+
+    def _spare_lately(self, worker: WorkerState) -> bool:
+        """The fleet has had spare capacity lately: late work crowds nobody out. (Not on a
+        colocated worker: a prompt there slows every sequence it decodes.)"""
+        return self._busy < _BUSY_SPARE and worker.role != "both"
+
+    def _fleet_drains(self) -> bool:
         prefill, rate = self._prefill_fleet()
-        return sum(w.load_tokens for w in prefill) / rate <= limit
+        return sum(w.load_tokens for w in prefill) / rate <= _LATE_SLACK * self.config.ttft_slo_s
 
     def _sample_busy(self, now: float) -> None:
-        prefill, _ = self._prefill_fleet()
+        prefill = self.fleet.prefill.values()
         if not prefill:
             return
         busy = sum(1 for w in prefill if w.load_tokens) / len(prefill)
@@ -578,7 +584,7 @@ class SchedulerCore:
         return actions
 
     def _over_every_budget(self, tracked: Tracked) -> bool:
-        capable = [w for w in self.workers.values() if w.role != "decode"]
+        capable = self.fleet.prefill.values()
         return bool(capable) and all(tracked.prompt_tokens > w.token_budget for w in capable)
 
     def _backfill(self, head: Tracked, now: float) -> list[Action]:
@@ -587,8 +593,7 @@ class SchedulerCore:
         it and the requests behind it (a bounded look-ahead, in order) may go to the others."""
         if not self._over_every_budget(head):
             return []
-        capable = [w for w in self.workers.values() if w.role != "decode"]
-        kept = min(capable, key=lambda w: (w.load_tokens / w.prefill_rate, w.worker_id))
+        kept = min(self.fleet.prefill.values(), key=lambda w: (w.load_tokens / w.prefill_rate, w.worker_id))
         others = [w for w in self.workers.values() if w is not kept]
         actions: list[Action] = []
         for rid in self._queue.behind_head(self.config.backfill_lookahead):
