@@ -35,15 +35,13 @@ O(1) plus the sequences that end in it, whatever the batch size.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from switchyard.bench.costmodel import CostModel
 from switchyard.schemas import (
-    BlocksRemoved,
-    BlocksStored,
     DecodeTask,
     KvEvent,
     KvEventBatch,
@@ -59,6 +57,7 @@ from switchyard.schemas import (
     WorkerEvent,
     WorkerTask,
 )
+from switchyard.workers import TierCache
 
 # Same-time order: what happened (arrivals, iteration ends, transfers) before workers
 # start their next iteration, so that work arriving at one instant shares a batch.
@@ -137,50 +136,6 @@ class _Joining:
     tokens: int  # the whole output, the first token (from prefill) included
 
 
-class TierLRU:
-    """One tier's LRU of block keys, and its changes since they were last reported, net of
-    each other (a key stored and removed in between is never reported): so a batch's events
-    may come in any order and the index still ends up where the cache is."""
-
-    def __init__(self, name: Tier, capacity: int) -> None:
-        self.name, self.capacity = name, capacity
-        self.keys: OrderedDict[int, None] = OrderedDict()
-        self._stored: dict[int, None] = {}  # absent at the last report, present now
-        self._removed: dict[int, None] = {}  # present at the last report, absent now
-
-    def add(self, key: int) -> int | None:
-        """Store ``key`` as the most recent; returns the key evicted to make room, if any."""
-        if key in self._removed:
-            del self._removed[key]  # back as it was at the last report
-        else:
-            self._stored[key] = None
-        self.keys[key] = None
-        if len(self.keys) > self.capacity:
-            old, _ = self.keys.popitem(last=False)
-            self._forget(old)
-            return old
-        return None
-
-    def discard(self, key: int) -> None:
-        del self.keys[key]
-        self._forget(key)
-
-    def _forget(self, key: int) -> None:
-        if key in self._stored:
-            del self._stored[key]  # never reported: nothing to take back
-        else:
-            self._removed[key] = None
-
-    def take_events(self) -> list[KvEvent]:
-        events: list[KvEvent] = []
-        if self._stored:
-            events.append(BlocksStored(keys=list(self._stored), tier=self.name))
-        if self._removed:
-            events.append(BlocksRemoved(keys=list(self._removed), tier=self.name))
-        self._stored, self._removed = {}, {}
-        return events
-
-
 class PrefixCache:
     """A worker's tiered prefix cache: device (HBM), then host DRAM, then local disk, an LRU
     each. A block evicted from one tier moves to the next (from the last it is gone); a block
@@ -192,7 +147,7 @@ class PrefixCache:
     """
 
     def __init__(self, device: int, host: int = 0, disk: int = 0) -> None:
-        self.tiers = [TierLRU("device", device), TierLRU("host", host), TierLRU("disk", disk)]
+        self.tiers = [TierCache("device", device), TierCache("host", host), TierCache("disk", disk)]
         self.capacity = device
 
     def lookup(self, keys: list[int]) -> TierCounts:
@@ -214,7 +169,7 @@ class PrefixCache:
         for key in keys:
             level = self._level(key)
             if level == 0:
-                device.keys.move_to_end(key)
+                device.touch(key)
                 continue
             if level is not None:
                 self.tiers[level].discard(key)
@@ -225,14 +180,14 @@ class PrefixCache:
         for tier in self.tiers[level:]:
             if tier.capacity <= 0:
                 continue  # no such tier
-            evicted = tier.add(key)
-            if evicted is None:
+            evicted = tier.add(key)  # one key added: at most one evicted
+            if not evicted:
                 return
-            key = evicted
+            (key,) = evicted
 
     def _level(self, key: int) -> int | None:
         for level, tier in enumerate(self.tiers):
-            if key in tier.keys:
+            if key in tier:
                 return level
         return None
 
@@ -241,14 +196,14 @@ class PrefixCache:
         return [event for tier in self.tiers for event in tier.take_events()]
 
     def keys(self, tier: Tier = "device") -> list[int]:
-        return list(self.tiers[_LEVELS[tier]].keys)
+        return self.tiers[_LEVELS[tier]].keys()
 
     def snapshot(self) -> dict[str, list[int]]:
         """Every tier that can hold anything -> its keys, least recent first."""
-        return {tier.name: list(tier.keys) for tier in self.tiers if tier.capacity > 0 or tier.name == "device"}
+        return {tier.tier: tier.keys() for tier in self.tiers if tier.capacity > 0 or tier.tier == "device"}
 
     def __len__(self) -> int:
-        return sum(len(tier.keys) for tier in self.tiers)
+        return sum(len(tier) for tier in self.tiers)
 
 
 _LEVELS: dict[str, int] = {"device": 0, "host": 1, "disk": 2}
@@ -524,6 +479,5 @@ __all__ = [
     "SimWorker",
     "Sink",
     "TierCounts",
-    "TierLRU",
     "WorkerStats",
 ]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from switchyard.schemas import lazy_attributes
 from switchyard.workers.config import WorkerConfig
-from switchyard.workers.sim import SimCostModel, SimEngineConfig
+from switchyard.workers.sim import SimCostModel, SimEngineConfig, TierCache
 from switchyard.workers.vllm_config import (
     KvTransfer,
     LmcacheSettings,
@@ -31,6 +31,7 @@ __all__ = [
     "SimCostModel",
     "SimEngineConfig",
     "SpeculativeSettings",
+    "TierCache",
     "VllmEngine",
     "VllmEngineConfig",
     "WorkerConfig",

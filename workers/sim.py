@@ -136,8 +136,8 @@ class SimEngine:
             raise ValueError(f"empty token range [{config.token_low}, {config.token_high})")
         self.config = config
         self.worker_id = worker_id
-        self._device = _TierCache("device", config.cache_blocks)
-        self._host = _TierCache("host", config.host_cache_blocks)  # capacity 0: holds nothing
+        self._device = TierCache("device", config.cache_blocks)
+        self._host = TierCache("host", config.host_cache_blocks)  # capacity 0: holds nothing
         self._running: dict[str, list[_Sequence]] = {}  # each request's choices
         self._held = 0
         self._tokens: Any = None  # the tokenizer, loaded for the first structured request
@@ -360,7 +360,7 @@ class _Sequence:
     done: bool = False
 
 
-class _TierCache:
+class TierCache:
     """One tier's LRU of block keys, and its changes since they were last reported, net
     of each other (a key stored and evicted in between is never reported)."""
 
@@ -372,6 +372,9 @@ class _TierCache:
 
     def __contains__(self, key: int) -> bool:
         return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
     def keys(self) -> list[int]:
         return list(self._keys)

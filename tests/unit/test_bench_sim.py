@@ -257,7 +257,7 @@ def test_cli_names_an_unknown_policy(tmp_path):
 
 
 def tier_keys(cache: PrefixCache) -> dict[str, list[int]]:
-    return {tier.name: list(tier.keys) for tier in cache.tiers}
+    return {tier.tier: tier.keys() for tier in cache.tiers}
 
 
 def test_device_evictions_move_to_host_then_to_disk_then_out():
