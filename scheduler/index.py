@@ -79,6 +79,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from switchyard.scheduler.native import native as _native
 from switchyard.schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot
 
 DEVICE, HOST, DISK, CLUSTER = 1, 2, 4, 8
@@ -118,6 +119,8 @@ class PrefixIndex:
         self._slot: dict[str, int] = {}  # known workers -> their bit
         self._ids: list[str | None] = []  # bit -> worker (None: free)
         self._known = 0  # the mask of every known worker
+        self.ids_version = 0  # bumped whenever a slot's worker changes (``worker_slots``)
+        self.native = _native is not None  # the C loops; False: the Python ones (tests compare)
         self._rows = _Rows()  # the holders of keys held by 2+ workers
         self._pairs = 0
         self._live = 0  # keys in the table
@@ -171,6 +174,7 @@ class PrefixIndex:
             self._ids[worker] = None
             self._known &= ~(1 << worker)
             self._names.clear()
+            self.ids_version += 1
 
     def _join(self, worker_id: str) -> int:
         """The lowest free bit for a new worker (so masks stay as short as the fleet)."""
@@ -182,6 +186,7 @@ class PrefixIndex:
         self._slot[worker_id] = free
         self._known |= 1 << free
         self._names.clear()
+        self.ids_version += 1
         return free
 
     def _apply_event(self, worker: int, event: KvEvent) -> None:
@@ -189,13 +194,19 @@ class PrefixIndex:
             case BlocksStored(keys=keys, tier=tier):
                 self._store(worker, keys, TIER_BITS[tier])
             case BlocksRemoved(keys=keys, tier=tier):
-                for key in keys:
-                    self._unset(worker, key, TIER_BITS[tier])
+                if self.native:
+                    self._unset_native(worker, keys, TIER_BITS[tier])
+                else:
+                    for key in keys:
+                        self._unset(worker, key, TIER_BITS[tier])
             case AllBlocksCleared():
                 self._clear(worker)  # everything it reported, every tier
 
     def _store(self, worker: int, keys: list[int], bit: int) -> None:
         self._reserve(len(keys))  # no rebuild in the loop: the columns stay these
+        if self.native:
+            self._store_native(worker, keys, bit)
+            return
         holder, tiers, stamp = self._holder, self._tiers, self._stamp
         # Back to front: the prefix ends up more recent than its extensions (see the note).
         for key in reversed(keys):
@@ -212,6 +223,36 @@ class PrefixIndex:
             stamp[slot] = self._clock
             if self._pairs > self.max_entries:
                 self._evict_over_bound()
+
+    def _store_native(self, worker: int, keys: list[int], bit: int) -> None:
+        """``_store``'s loop in C, which hands back a key another worker holds and the
+        bound being passed: the same steps in the same order."""
+        pos = len(keys) - 1
+        while pos >= 0:
+            code, pos, slot, self._clock, self._live, self._tombs, self._pairs = _native.store(
+                self._keys, self._stamp, self._holder, self._tiers, self._shift, keys, pos, worker, bit,
+                self._clock, self._live, self._tombs, self._pairs, self.max_entries,
+            )  # fmt: skip
+            if code == _native.NEEDS_PYTHON:
+                self._add_holder(slot, keys[pos], worker, bit)
+                self._clock += 1
+                self._stamp[slot] = self._clock
+                pos -= 1
+            if code != _native.DONE and self._pairs > self.max_entries:
+                self._evict_over_bound()
+
+    def _unset_native(self, worker: int, keys: list[int], bits: int) -> None:
+        """``_unset`` of every key in C, which hands back the keys several workers hold."""
+        pos = 0
+        while pos < len(keys):
+            code, pos, slot, self._live, self._tombs, self._pairs = _native.unset(
+                self._keys, self._stamp, self._holder, self._tiers, self._shift, keys, pos, worker, bits,
+                self._live, self._tombs, self._pairs,
+            )  # fmt: skip
+            if code != _native.NEEDS_PYTHON:
+                return
+            self._unset_multi(slot, _MULTI - self._holder[slot], worker, bits)
+            pos += 1
 
     def _add_holder(self, slot: int, key: int, worker: int, bit: int) -> None:
         """``worker`` stores ``key``, which others hold."""
@@ -415,8 +456,16 @@ class PrefixIndex:
         """``match_counts`` as two arrays by worker slot (``worker_slots``): leading blocks
         on any tier and on the device tier, 0 for a worker that matched nothing or a free
         slot. For a caller that scores the fleet as arrays: no worker id is looked at."""
-        walk = self._walk(block_keys, self._wanted(workers))
-        return _by_slot(walk.stopped, len(self._ids)), _by_slot(walk.device_stopped, len(self._ids))
+        wanted = self._wanted(workers)
+        if not self.native:
+            walk = self._walk(block_keys, wanted)
+            return _by_slot(walk.stopped, len(self._ids)), _by_slot(walk.device_stopped, len(self._ids))
+        blocks, device = np.zeros(len(self._ids), dtype=np.int32), np.zeros(len(self._ids), dtype=np.int32)
+        self._clock = _native.walk(
+            self._keys, self._stamp, self._holder, self._tiers, self._shift, self._rows.masks, wanted,
+            block_keys, self._clock, blocks, device,
+        )  # fmt: skip
+        return blocks, device
 
     def worker_slots(self) -> list[str | None]:
         """Slot -> worker id (None: free), the index of ``match_slots``' arrays. A slot keeps

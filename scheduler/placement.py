@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import PrefixIndex
+from switchyard.scheduler.native import native as _native
 from switchyard.scheduler.policies import PlacementView, decode_cost, make_policy
 from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id
 
@@ -73,6 +74,14 @@ class Placer:
         prefill slots in vector expressions instead of ``_quick``'s loop."""
         blocks, device = self.index.match_slots(request.spec.block_keys)
         slot_of = self._slots.of_index()
+        native = getattr(self.policy, "choose_native", None) if self.index.native else None
+        if native is not None and bound_worker is None and fleet.prefill and self.config.local_prefill_max_tokens <= 0:
+            # The policy's whole choice in one loop in C (``_native.c``): the same as below.
+            rows = self._slots.rows(fleet)
+            best = native(
+                request, fleet, fleet.slots("prefill"), rows, blocks, device, self.config.fetch_credit, ttft_budget_s
+            )
+            return None if best is None else Placement(best[0], "prefill", best[1])
         view = self._view(request, _BySlot(blocks, slot_of), _BySlot(device, slot_of), ttft_budget_s)
         if self.config.local_prefill_max_tokens > 0:
             local = self._local(request, list(fleet), view)
@@ -142,7 +151,7 @@ class Placer:
     def decode(self, request: Tracked, workers: Iterable[WorkerState] | Fleet) -> WorkerState | None:
         tokens = request.decode_tokens  # a computed property: once, not once a worker
         if isinstance(workers, Fleet):
-            return _decode_by_slot(workers, tokens)
+            return _decode_by_slot(workers, tokens, self.index.native)
         fitting = [w for w in workers if w.role == "decode" and w.fits(tokens)]
         return min(fitting, key=decode_cost) if fitting else None
 
@@ -197,10 +206,16 @@ def _fitting(
     return fitting
 
 
-def _decode_by_slot(fleet: Fleet, tokens: int) -> WorkerState | None:
+def _decode_by_slot(fleet: Fleet, tokens: int, native: bool = False) -> WorkerState | None:
     """``Placer.decode`` from the fleet's arrays: among the decode workers that fit, the
-    least ``decode_cost`` (KV load share, then sequences running, then the id)."""
+    least ``decode_cost`` (KV load share, then sequences running, then the id); ``native``:
+    that same loop in C."""
     slots = fleet.slots("decode")
+    if native:
+        tied = _native.choose_decode(fleet.load, fleet.budget, fleet.running, slots, tokens)
+        if len(tied) < 2:
+            return fleet.workers[fleet.ids[tied[0]]] if tied else None  # type: ignore[index]
+        return lowest_id(fleet, np.array(tied, dtype=np.intp))
     load, budget = fleet.load[slots], fleet.budget[slots]
     fits = (load == 0) | (load + tokens <= budget)
     slots = slots[fits]
@@ -227,12 +242,15 @@ class _IndexSlots:
         self._rows: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
         self._rows_for: tuple[int, int] = (-1, -1)  # (fleet version, index ids version)
         self._ids_version = 0
+        self._index_version = -1  # the index's ``ids_version`` ``_ids`` was read at
 
     def of_index(self) -> dict[str, int]:
-        ids = self.index.worker_slots()
-        if ids != self._ids:
-            self._ids, self._ids_version = ids, self._ids_version + 1
-            self._slot_of = {w: s for s, w in enumerate(ids) if w is not None}
+        if self.index.ids_version != self._index_version:  # a join or a departure there
+            self._index_version = self.index.ids_version
+            ids = self.index.worker_slots()
+            if ids != self._ids:
+                self._ids, self._ids_version = ids, self._ids_version + 1
+                self._slot_of = {w: s for s, w in enumerate(ids) if w is not None}
         return self._slot_of
 
     def rows(self, fleet: Fleet) -> npt.NDArray[np.intp]:

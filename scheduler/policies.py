@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from switchyard.scheduler.index import WorkerMatch
+from switchyard.scheduler.native import native as _native
 from switchyard.scheduler.peers import DynamoKv, Llmd, LlmdPrecise, SglangCacheAware
 from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id
 
@@ -183,6 +184,39 @@ class Switchyard:
         if log.isEnabledFor(logging.DEBUG):
             self.cost(best, request, view)  # logs the winner's terms
         return best
+
+    def choose_native(
+        self,
+        request: Tracked,
+        fleet: Fleet,
+        slots: npt.NDArray[np.intp],
+        rows: npt.NDArray[np.intp],
+        blocks: npt.NDArray[np.int32],
+        device: npt.NDArray[np.int32],
+        fetch_credit: float,
+        ttft_budget_s: float,
+    ) -> tuple[WorkerState, int] | None:
+        """``Placer``'s uncached tokens, fit and ``choose_slots`` of the fleet's workers at
+        ``slots``, in one loop in C (``_native.choose_prefill``: the same operations, so the
+        same choice), from the index's ``match_slots`` arrays (``rows``: each fleet slot's
+        index slot). The chosen worker and what its ledger takes, or None if none fits."""
+        limit = _SAFE_SHARE * ttft_budget_s if ttft_budget_s < math.inf else math.inf
+        tied = _native.choose_prefill(
+            fleet.load, fleet.rate, fleet.budget, fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
+            slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size, fetch_credit,
+            request.decode_tokens, bool(fleet.roles["both"]), limit,
+        )  # fmt: skip
+        if not tied:
+            return None
+        slot, need = tied[0] if len(tied) == 1 else min(tied, key=lambda t: fleet.ids[t[0]] or "")
+        best = fleet.workers[fleet.ids[slot]]  # type: ignore[index]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "cost %s on %s = (queued %d + need %d of %d) / %.0f tok/s",
+                request.spec.request_id, best.worker_id, best.load_tokens, need, request.prompt_tokens,
+                best.prefill_rate,
+            )  # fmt: skip
+        return best, int(need)
 
     @staticmethod
     def work(worker: WorkerState, view: PlacementView) -> float:

@@ -72,15 +72,20 @@ def test_a_role_is_fixed() -> None:
         fleet.workers["a"].role = "decode"
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
 @pytest.mark.parametrize("seed", range(6))
-def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int) -> None:
+def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, native: bool) -> None:
     """Random fleets (slots reused, so slot order is not id order), loads and rates with
     many ties, caches on several tiers: the fleet's vector path places every request where
-    the per-worker loop does, prefill (every policy) and decode."""
+    the per-worker loop does, prefill (every policy) and decode; in C (``_native.c``) and
+    in numpy."""
     print(f"seed={seed}")
     rng = random.Random(seed)
     roles: tuple[Role, ...] = ROLES if seed % 2 else ("prefill", "prefill", "decode")  # colocated or not
     index = PrefixIndex()
+    if native:
+        assert index.native, "scheduler/_native.c did not build: `make install` (it needs a C compiler)"
+    index.native = native
     fleet = Fleet()
     ids = [f"w{i:02d}" for i in range(40)]
     rng.shuffle(ids)

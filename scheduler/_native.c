@@ -1,0 +1,586 @@
+/* The scheduler's hot loops in C: the prefix index's probes (a prompt's walk, a KV
+ * event's stores and removals) and the fleet-wide scoring of one placement (switchyard's
+ * prefill choice, the decode pick).
+ *
+ * Every function here is the loop of a Python function it stands in for, on the very same
+ * buffers (the index's ``array.array`` columns, the fleet's numpy arrays), with the same
+ * arithmetic in the same order: the same answers, bit for bit (built with
+ * -ffp-contract=off, so no fused multiply-add rounds differently). The Python stays the
+ * reference and the fallback: ``scheduler/index.py`` and ``scheduler/placement.py`` use
+ * this module when it was built, and ``tests/unit/test_native.py`` checks both paths agree
+ * on random tables and fleets. What is rare or holds Python objects (a key held by several
+ * workers gaining or losing a holder, eviction, a rebuild) is handed back to Python: each
+ * loop stops there and says where.
+ *
+ * Table layout (``scheduler/index.py``): keys uint64, stamps int64, holders int32 (a worker
+ * slot, -1 free, -2 a tombstone, or -3 - row for a key several workers hold, whose four
+ * worker masks are Python ints in ``masks[4 * row:]``), tiers uint8.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define H_EMPTY (-1)
+#define H_TOMB (-2)
+#define H_MULTI (-3)
+#define T_DEVICE 1
+#define T_OWN 7
+#define T_CLUSTER 8
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define STACK_WORDS 64 /* bitsets of up to 4,096 workers live on the stack */
+
+/* --- buffers ---------------------------------------------------------------------- */
+
+#define MAX_BUFFERS 12
+
+typedef struct {
+    Py_buffer view[MAX_BUFFERS];
+    int n;
+} Buffers;
+
+static void release(Buffers *b) {
+    for (int i = 0; i < b->n; i++) PyBuffer_Release(&b->view[i]);
+    b->n = 0;
+}
+
+/* A contiguous buffer of items of ``itemsize`` bytes; NULL (an error set) otherwise. */
+static void *take(Buffers *b, PyObject *obj, Py_ssize_t itemsize, int writable, Py_ssize_t *len) {
+    if (b->n == MAX_BUFFERS) {
+        PyErr_SetString(PyExc_RuntimeError, "too many buffers for one call");
+        return NULL;
+    }
+    Py_buffer *v = &b->view[b->n];
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return NULL;
+    b->n++;
+    if (v->itemsize != itemsize || v->len % itemsize) {
+        PyErr_Format(PyExc_TypeError, "expected items of %zd bytes, got %zd", itemsize, v->itemsize);
+        return NULL;
+    }
+    if (len) *len = v->len / itemsize;
+    return v->buf;
+}
+
+typedef struct {
+    uint64_t *keys;
+    int64_t *stamp;
+    int32_t *holder;
+    uint8_t *tiers;
+    uint64_t mask;
+    int shift;
+} Table;
+
+static int take_table(Buffers *b, Table *t, PyObject *keys, PyObject *stamp, PyObject *holder, PyObject *tiers,
+                      int shift) {
+    Py_ssize_t n, n2, n3, n4;
+    if (!(t->keys = take(b, keys, 8, 0, &n)) || !(t->stamp = take(b, stamp, 8, 1, &n2)) ||
+        !(t->holder = take(b, holder, 4, 1, &n3)) || !(t->tiers = take(b, tiers, 1, 1, &n4)))
+        return -1;
+    if (n != n2 || n != n3 || n != n4 || n == 0 || (n & (n - 1)) || shift < 1 || shift > 63 ||
+        ((uint64_t)1 << (64 - shift)) != (uint64_t)n) {
+        PyErr_SetString(PyExc_ValueError, "the table's columns disagree on its size");
+        return -1;
+    }
+    t->mask = (uint64_t)n - 1;
+    t->shift = shift;
+    return 0;
+}
+
+/* ``PrefixIndex._probe``: the slot holding ``key``, or -1 - the slot it would take. */
+static Py_ssize_t probe(const Table *t, uint64_t key) {
+    uint64_t i = (key * GOLDEN) >> t->shift;
+    Py_ssize_t reuse = -1;
+    for (;;) {
+        int32_t h = t->holder[i];
+        if (h == H_EMPTY) return -1 - (reuse < 0 ? (Py_ssize_t)i : reuse);
+        if (h == H_TOMB) {
+            if (reuse < 0) reuse = (Py_ssize_t)i;
+        } else if (t->keys[i] == key) {
+            return (Py_ssize_t)i;
+        }
+        i = (i + 1) & t->mask;
+    }
+}
+
+/* A block key as the table's uint64; 0 (no error left set) when it is no block hash. */
+static int key_of(PyObject *obj, uint64_t *key) {
+    if (!PyLong_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "block keys are ints");
+        return -1;
+    }
+    unsigned long long k = PyLong_AsUnsignedLongLong(obj);
+    if (k == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear(); /* negative, or 2**64 and above: never stored */
+        return 0;
+    }
+    *key = (uint64_t)k;
+    return 1;
+}
+
+/* --- worker masks as bitsets ------------------------------------------------------- */
+
+static int bits_of(PyObject *mask, uint64_t *words, Py_ssize_t nwords) {
+    if (!PyLong_Check(mask)) {
+        PyErr_SetString(PyExc_TypeError, "worker masks are ints");
+        return -1;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    return _PyLong_AsByteArray((PyLongObject *)mask, (unsigned char *)words, (size_t)nwords * 8, 1, 0, 1);
+#else
+    return _PyLong_AsByteArray((PyLongObject *)mask, (unsigned char *)words, (size_t)nwords * 8, 1, 0);
+#endif
+}
+
+/* ``out[w] = value`` for every worker ``w`` in ``a & ~b`` (``b`` NULL: in ``a``). */
+static void scatter(const uint64_t *a, const uint64_t *b, Py_ssize_t nwords, int32_t *out, int32_t value) {
+    for (Py_ssize_t w = 0; w < nwords; w++) {
+        uint64_t x = b ? a[w] & ~b[w] : a[w];
+        while (x) {
+            out[w * 64 + __builtin_ctzll(x)] = value;
+            x &= x - 1;
+        }
+    }
+}
+
+static int any_bit(const uint64_t *a, Py_ssize_t nwords) {
+    for (Py_ssize_t w = 0; w < nwords; w++)
+        if (a[w]) return 1;
+    return 0;
+}
+
+/* walk(keys, stamp, holder, tiers, shift, masks, wanted, block_keys, clock, blocks, device) -> clock
+ *
+ * ``PrefixIndex._walk`` and ``_by_slot``: the leading blocks of ``block_keys`` each worker
+ * of ``wanted`` reaches on any tier into ``blocks``, and on its device tier into
+ * ``device`` (int32 arrays by worker slot, zeroed by the caller, one entry per worker
+ * slot), and the matched keys stamped as used, the prefix last. Returns the new clock. */
+static PyObject *walk(PyObject *self, PyObject *args) {
+    PyObject *keys, *stamp, *holder, *tiers, *masks, *wanted, *block_keys, *blocks_obj, *device_obj;
+    int shift;
+    long long clock;
+    if (!PyArg_ParseTuple(args, "OOOOiO!OO!LOO", &keys, &stamp, &holder, &tiers, &shift, &PyList_Type, &masks,
+                          &wanted, &PyList_Type, &block_keys, &clock, &blocks_obj, &device_obj))
+        return NULL;
+    Buffers b = {.n = 0};
+    Table t;
+    Py_ssize_t nslots, ndevice;
+    int32_t *out_blocks, *out_device;
+    uint64_t stack[6 * STACK_WORDS];
+    uint64_t *heap = NULL;
+    Py_ssize_t *matched = NULL;
+    PyObject *result = NULL;
+    if (take_table(&b, &t, keys, stamp, holder, tiers, shift) < 0) goto done;
+    if (!(out_blocks = take(&b, blocks_obj, 4, 1, &nslots)) || !(out_device = take(&b, device_obj, 4, 1, &ndevice)))
+        goto done;
+    if (nslots != ndevice) {
+        PyErr_SetString(PyExc_ValueError, "blocks and device differ in length");
+        goto done;
+    }
+    Py_ssize_t nwords = (nslots + 63) / 64, n = PyList_GET_SIZE(block_keys);
+    if (nwords == 0) nwords = 1; /* no worker: every mask is 0, one word says so */
+    uint64_t *words = stack;
+    if (nwords > STACK_WORDS) {
+        if (!(words = heap = PyMem_Calloc((size_t)(6 * nwords), sizeof(uint64_t)))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    uint64_t *reach = words, *dev_alive = words + nwords, *dev = words + 2 * nwords, *own = words + 3 * nwords,
+             *next = words + 4 * nwords, *tmp = words + 5 * nwords;
+    memset(words, 0, (size_t)(6 * nwords) * sizeof(uint64_t));
+    if (bits_of(wanted, reach, nwords) < 0) goto done;
+    memcpy(dev_alive, reach, (size_t)nwords * sizeof(uint64_t));
+    if (!(matched = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t key;
+        int ok = key_of(PyList_GET_ITEM(block_keys, i), &key);
+        if (ok < 0) goto done;
+        if (!ok) break;
+        Py_ssize_t slot = probe(&t, key);
+        if (slot < 0) break;
+        int32_t h = t.holder[slot];
+        int in_cluster;
+        if (h <= H_MULTI) { /* _holders_of: the row's masks */
+            Py_ssize_t row = 4 * (Py_ssize_t)(H_MULTI - h);
+            if (row + 4 > PyList_GET_SIZE(masks)) {
+                PyErr_SetString(PyExc_ValueError, "a holder names a row past the masks");
+                goto done;
+            }
+            if (bits_of(PyList_GET_ITEM(masks, row), dev, nwords) < 0) goto done;
+            memcpy(own, dev, (size_t)nwords * sizeof(uint64_t));
+            for (int r = 1; r < 3; r++) {
+                if (bits_of(PyList_GET_ITEM(masks, row + r), tmp, nwords) < 0) goto done;
+                for (Py_ssize_t w = 0; w < nwords; w++) own[w] |= tmp[w];
+            }
+            in_cluster = PyObject_IsTrue(PyList_GET_ITEM(masks, row + 3));
+            if (in_cluster < 0) goto done;
+        } else {
+            if (h >= (int64_t)nwords * 64) {
+                PyErr_SetString(PyExc_ValueError, "a holder past the worker slots");
+                goto done;
+            }
+            uint8_t tier = t.tiers[slot];
+            memset(dev, 0, (size_t)nwords * sizeof(uint64_t));
+            memset(own, 0, (size_t)nwords * sizeof(uint64_t));
+            if (tier & T_DEVICE) dev[h / 64] = (uint64_t)1 << (h % 64);
+            if (tier & T_OWN) own[h / 64] = (uint64_t)1 << (h % 64);
+            in_cluster = (tier & T_CLUSTER) != 0;
+        }
+        /* _Walk.step */
+        for (Py_ssize_t w = 0; w < nwords; w++) next[w] = in_cluster ? reach[w] : reach[w] & own[w];
+        if (!in_cluster && !any_bit(next, nwords)) break;
+        if (i) scatter(reach, next, nwords, out_blocks, (int32_t)i);
+        memcpy(reach, next, (size_t)nwords * sizeof(uint64_t));
+        for (Py_ssize_t w = 0; w < nwords; w++) next[w] = dev_alive[w] & dev[w];
+        if (i) scatter(dev_alive, next, nwords, out_device, (int32_t)i);
+        memcpy(dev_alive, next, (size_t)nwords * sizeof(uint64_t));
+        matched[m++] = slot;
+    }
+    if (m) { /* _Walk.finish */
+        scatter(reach, NULL, nwords, out_blocks, (int32_t)m);
+        scatter(dev_alive, NULL, nwords, out_device, (int32_t)m);
+    }
+    for (Py_ssize_t j = m - 1; j >= 0; j--) t.stamp[matched[j]] = ++clock; /* the prefix newest */
+    result = PyLong_FromLongLong(clock);
+done:
+    release(&b);
+    PyMem_Free(heap);
+    PyMem_Free(matched);
+    return result;
+}
+
+/* --- KV events --------------------------------------------------------------------- */
+
+enum { DONE = 0, NEEDS_PYTHON = 1, OVER_BOUND = 2 };
+
+/* store(keys, stamp, holder, tiers, shift, block_keys, pos, worker, bit, clock, live, tombs, pairs, max_pairs)
+ *   -> (code, pos, slot, clock, live, tombs, pairs)
+ *
+ * ``PrefixIndex._store``'s loop from ``block_keys[pos]`` back to the first (the caller made
+ * room: ``_reserve``). It stops, with the counters so far, at a key another worker holds
+ * (NEEDS_PYTHON: ``pos`` and its ``slot``, not yet stored or stamped: ``_add_holder``'s
+ * work) or once the pairs pass ``max_pairs`` (OVER_BOUND: ``pos`` is the next key to
+ * store; the key before it was stored and stamped). DONE: all stored. */
+static PyObject *store(PyObject *self, PyObject *args) {
+    PyObject *keys, *stamp, *holder, *tiers, *block_keys;
+    int shift, worker, bit;
+    Py_ssize_t pos;
+    long long clock, live, tombs, pairs, max_pairs;
+    if (!PyArg_ParseTuple(args, "OOOOiO!niiLLLLL", &keys, &stamp, &holder, &tiers, &shift, &PyList_Type, &block_keys,
+                          &pos, &worker, &bit, &clock, &live, &tombs, &pairs, &max_pairs))
+        return NULL;
+    Buffers b = {.n = 0};
+    Table t;
+    PyObject *result = NULL;
+    int code = DONE;
+    Py_ssize_t at = -1;
+    if (take_table(&b, &t, keys, stamp, holder, tiers, shift) < 0) goto done;
+    if (pos >= PyList_GET_SIZE(block_keys)) {
+        PyErr_SetString(PyExc_IndexError, "pos past the keys");
+        goto done;
+    }
+    for (; pos >= 0; pos--) {
+        uint64_t key;
+        int ok = key_of(PyList_GET_ITEM(block_keys, pos), &key);
+        if (ok < 0) goto done;
+        if (!ok) continue; /* not a block hash: never stored, so never matched */
+        Py_ssize_t slot = probe(&t, key);
+        if (slot < 0) { /* _insert */
+            slot = -1 - slot;
+            if (t.holder[slot] == H_TOMB) tombs--;
+            t.keys[slot] = key;
+            t.holder[slot] = worker;
+            t.tiers[slot] = (uint8_t)bit;
+            live++;
+            pairs++;
+        } else if (t.holder[slot] == worker) {
+            t.tiers[slot] |= (uint8_t)bit;
+        } else {
+            code = NEEDS_PYTHON;
+            at = slot;
+            break;
+        }
+        t.stamp[slot] = ++clock;
+        if (pairs > max_pairs) {
+            code = OVER_BOUND;
+            pos--;
+            break;
+        }
+    }
+    result = Py_BuildValue("inlLLLL", code, pos, (long)at, clock, live, tombs, pairs);
+done:
+    release(&b);
+    return result;
+}
+
+/* unset(keys, stamp, holder, tiers, shift, block_keys, pos, worker, bits, live, tombs, pairs)
+ *   -> (code, pos, slot, live, tombs, pairs)
+ *
+ * ``PrefixIndex._unset`` for ``block_keys[pos:]``, in order: a key only ``worker`` holds
+ * loses ``bits``, and goes (a tombstone, or freed with the tombstones before it when the
+ * slot after it is free: ``_delete``) once it has no tier left. It stops at a key several
+ * workers hold (NEEDS_PYTHON: ``pos`` and its ``slot``: ``_unset_multi``'s work). */
+static PyObject *unset(PyObject *self, PyObject *args) {
+    PyObject *keys, *stamp, *holder, *tiers, *block_keys;
+    int shift, worker, bits;
+    Py_ssize_t pos;
+    long long live, tombs, pairs;
+    if (!PyArg_ParseTuple(args, "OOOOiO!niiLLL", &keys, &stamp, &holder, &tiers, &shift, &PyList_Type, &block_keys,
+                          &pos, &worker, &bits, &live, &tombs, &pairs))
+        return NULL;
+    Buffers b = {.n = 0};
+    Table t;
+    PyObject *result = NULL;
+    int code = DONE;
+    Py_ssize_t at = -1, n = PyList_GET_SIZE(block_keys);
+    if (take_table(&b, &t, keys, stamp, holder, tiers, shift) < 0) goto done;
+    if (pos < 0) {
+        PyErr_SetString(PyExc_IndexError, "negative pos");
+        goto done;
+    }
+    for (; pos < n; pos++) {
+        uint64_t key;
+        int ok = key_of(PyList_GET_ITEM(block_keys, pos), &key);
+        if (ok < 0) goto done;
+        if (!ok) continue;
+        Py_ssize_t slot = probe(&t, key);
+        if (slot < 0) continue;
+        int32_t h = t.holder[slot];
+        if (h == worker) {
+            uint8_t left = t.tiers[slot] & (uint8_t)~bits;
+            if (left) {
+                t.tiers[slot] = left;
+                continue;
+            }
+            t.holder[slot] = H_TOMB; /* _delete */
+            live--;
+            tombs++;
+            pairs--;
+            uint64_t s = ((uint64_t)slot + 1) & t.mask; /* _free_tombs_before */
+            if (t.holder[s] == H_EMPTY) {
+                s = (s - 1) & t.mask;
+                while (t.holder[s] == H_TOMB) {
+                    t.holder[s] = H_EMPTY;
+                    tombs--;
+                    s = (s - 1) & t.mask;
+                }
+            }
+        } else if (h <= H_MULTI) {
+            code = NEEDS_PYTHON;
+            at = slot;
+            break;
+        }
+    }
+    result = Py_BuildValue("inlLLL", code, pos, (long)at, live, tombs, pairs);
+done:
+    release(&b);
+    return result;
+}
+
+/* --- placement --------------------------------------------------------------------- */
+
+typedef struct {
+    Py_ssize_t *slot;
+    double *need;
+    Py_ssize_t n;
+} Ties;
+
+static PyObject *ties_list(const Ties *ties) {
+    PyObject *out = PyList_New(ties->n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < ties->n; i++) {
+        PyObject *pair = Py_BuildValue("nd", ties->slot[i], ties->need[i]);
+        if (!pair) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, pair);
+    }
+    return out;
+}
+
+/* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, slots, rows, blocks, device,
+ *                prompt, block_size, fetch_credit, decode_tokens, check_kv, limit)
+ *   -> [(slot, need), ...]: the best workers, tied (the caller takes the lowest id); [] if none fits
+ *
+ * ``Placer._prefill_by_slot`` with ``Switchyard.choose_slots``: over the fleet's workers at
+ * ``slots`` (each one's index slot ``rows[slot]``, past ``blocks`` for a worker the index
+ * does not know), its uncached tokens (``_uncached``), whether it takes them (``_fitting``:
+ * ``check_kv`` when the fleet has colocated workers), and among those that do, when
+ * ``limit`` (half the time left before the TTFT SLO) is finite and some worker's predicted
+ * TTFT is within it, the least work among those, then the quickest; else the quickest. */
+static PyObject *choose_prefill(PyObject *self, PyObject *args) {
+    PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_slots, *o_rows, *o_blocks,
+        *o_device;
+    long long prompt, block_size, decode_tokens;
+    double fetch_credit, limit;
+    int check_kv;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOLLdLpd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
+                          &o_coloc, &o_slots, &o_rows, &o_blocks, &o_device, &prompt, &block_size, &fetch_credit,
+                          &decode_tokens, &check_kv, &limit))
+        return NULL;
+    Buffers b = {.n = 0};
+    PyObject *result = NULL;
+    Ties ties = {NULL, NULL, 0};
+    double *load, *rate, *budget, *kv, *kvcap, *holding, *coloc;
+    int64_t *slots, *rows;
+    int32_t *blocks, *device;
+    Py_ssize_t nfleet, n, nrows, nblocks, ndevice, k;
+    if (!(load = take(&b, o_load, 8, 0, &nfleet)) || !(rate = take(&b, o_rate, 8, 0, &k)) || k != nfleet ||
+        !(budget = take(&b, o_budget, 8, 0, &k)) || k != nfleet || !(kv = take(&b, o_kv, 8, 0, &k)) || k != nfleet ||
+        !(kvcap = take(&b, o_kvcap, 8, 0, &k)) || k != nfleet || !(holding = take(&b, o_holding, 8, 0, &k)) ||
+        k != nfleet || !(coloc = take(&b, o_coloc, 8, 0, &k)) || k != nfleet ||
+        !(slots = take(&b, o_slots, 8, 0, &n)) || !(rows = take(&b, o_rows, 8, 0, &nrows)) || nrows != nfleet ||
+        !(blocks = take(&b, o_blocks, 4, 0, &nblocks)) || !(device = take(&b, o_device, 4, 0, &ndevice)) ||
+        ndevice != nblocks) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
+        goto done;
+    }
+    if (!(ties.slot = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t))) ||
+        !(ties.need = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int slo = limit < INFINITY; /* -inf (a late request): nothing is safe, the quickest wins */
+    int any_safe = 0;
+    double best_work = INFINITY, best_pred = INFINITY;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = slots[i];
+        if (s < 0 || s >= nfleet) {
+            PyErr_SetString(PyExc_IndexError, "a slot past the fleet");
+            goto done;
+        }
+        int64_t r = rows[s];
+        int64_t nb = (r >= 0 && r < nblocks) ? blocks[r] : 0, nd = (r >= 0 && r < nblocks) ? device[r] : 0;
+        double uncached; /* _uncached */
+        if (nb > 0) {
+            int64_t fetchable = (nb - nd) * block_size;
+            double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
+            uncached = computed > 0.0 ? computed : 0.0;
+        } else {
+            uncached = (double)prompt;
+        }
+        double need = ceil(uncached); /* _fitting */
+        if (!(need >= 1.0)) need = 1.0;
+        if (!(load[s] == 0.0 || load[s] + need <= budget[s])) continue;
+        if (check_kv && coloc[s] != 0.0 && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s])) continue;
+        double pred = (load[s] + uncached) / rate[s]; /* choose_slots */
+        double work;
+        int safe = slo && pred <= limit;
+        if (safe) {
+            work = coloc[s] != 0.0 ? (uncached + load[s]) + kv[s] : uncached;
+            if (!any_safe || work < best_work || (work == best_work && pred < best_pred)) {
+                any_safe = 1;
+                best_work = work;
+                best_pred = pred;
+                ties.n = 0;
+            } else if (!(work == best_work && pred == best_pred)) {
+                continue;
+            }
+        } else {
+            if (any_safe) continue;
+            if (pred < best_pred || ties.n == 0) {
+                best_pred = pred;
+                ties.n = 0;
+            } else if (pred != best_pred) {
+                continue;
+            }
+        }
+        ties.slot[ties.n] = (Py_ssize_t)s;
+        ties.need[ties.n] = need;
+        ties.n++;
+    }
+    result = ties_list(&ties);
+done:
+    release(&b);
+    PyMem_Free(ties.slot);
+    PyMem_Free(ties.need);
+    return result;
+}
+
+/* choose_decode(load, budget, running, slots, tokens) -> [slot, ...]
+ *
+ * ``_decode_by_slot``: among the decode workers at ``slots`` that take ``tokens``, those of
+ * the least KV share of their budget, then the fewest sequences (the caller takes the
+ * lowest id); [] if none fits. */
+static PyObject *choose_decode(PyObject *self, PyObject *args) {
+    PyObject *o_load, *o_budget, *o_running, *o_slots;
+    long long tokens;
+    if (!PyArg_ParseTuple(args, "OOOOL", &o_load, &o_budget, &o_running, &o_slots, &tokens)) return NULL;
+    Buffers b = {.n = 0};
+    PyObject *result = NULL;
+    double *load, *budget, *running;
+    int64_t *slots;
+    Py_ssize_t nfleet, n, k;
+    Py_ssize_t *tied = NULL, ntied = 0;
+    if (!(load = take(&b, o_load, 8, 0, &nfleet)) || !(budget = take(&b, o_budget, 8, 0, &k)) || k != nfleet ||
+        !(running = take(&b, o_running, 8, 0, &k)) || k != nfleet || !(slots = take(&b, o_slots, 8, 0, &n))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
+        goto done;
+    }
+    if (!(tied = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    double best_share = INFINITY, best_running = INFINITY;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = slots[i];
+        if (s < 0 || s >= nfleet) {
+            PyErr_SetString(PyExc_IndexError, "a slot past the fleet");
+            goto done;
+        }
+        if (!(load[s] == 0.0 || load[s] + (double)tokens <= budget[s])) continue;
+        double share = load[s] / (budget[s] > 1.0 ? budget[s] : 1.0);
+        if (ntied == 0 || share < best_share || (share == best_share && running[s] < best_running)) {
+            best_share = share;
+            best_running = running[s];
+            ntied = 0;
+        } else if (!(share == best_share && running[s] == best_running)) {
+            continue;
+        }
+        tied[ntied++] = (Py_ssize_t)s;
+    }
+    if (!(result = PyList_New(ntied))) goto done;
+    for (Py_ssize_t i = 0; i < ntied; i++) {
+        PyObject *v = PyLong_FromSsize_t(tied[i]);
+        if (!v) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    release(&b);
+    PyMem_Free(tied);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"walk", walk, METH_VARARGS, "PrefixIndex._walk and _by_slot into two int32 arrays; returns the clock."},
+    {"store", store, METH_VARARGS, "PrefixIndex._store's loop, back to front, stopping for Python."},
+    {"unset", unset, METH_VARARGS, "PrefixIndex._unset over keys, stopping for Python."},
+    {"choose_prefill", choose_prefill, METH_VARARGS, "switchyard's prefill choice over the fleet's arrays."},
+    {"choose_decode", choose_decode, METH_VARARGS, "The decode pick over the fleet's arrays."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "The scheduler's hot loops in C (see the source's note).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "DONE", DONE) < 0 || PyModule_AddIntConstant(m, "NEEDS_PYTHON", NEEDS_PYTHON) < 0 ||
+        PyModule_AddIntConstant(m, "OVER_BOUND", OVER_BOUND) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

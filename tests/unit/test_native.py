@@ -1,0 +1,156 @@
+"""The scheduler's C loops (``scheduler/_native.c``) against the Python they stand in for:
+the same table, bit for bit, after every KV event, snapshot and lookup, and the same
+placements (``test_fleet.py`` runs its placement comparison both ways too)."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import numpy as np
+import pytest
+
+from switchyard.scheduler.index import PrefixIndex
+from switchyard.scheduler.native import native
+from switchyard.schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot
+
+TIERS = ("device", "device", "host", "disk", "cluster")
+
+
+def require_native() -> None:
+    assert native is not None, "scheduler/_native.c did not build: `make install` (it needs a C compiler)"
+
+
+def state(index: PrefixIndex) -> tuple:
+    """Everything the two paths could differ in."""
+    return (
+        index._keys.tobytes(),
+        index._stamp.tobytes(),
+        index._holder.tobytes(),
+        index._tiers.tobytes(),
+        list(index._rows.masks),
+        index._rows.slot.tobytes(),
+        sorted(index._rows._free),
+        (index._live, index._tombs, index._pairs, index._clock, index._bits),
+    )
+
+
+class Pair:
+    """The same index twice, one on each path, fed the same things."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.c, self.py = PrefixIndex(max_entries), PrefixIndex(max_entries)
+        self.py.native = False
+        self.seq: dict[str, int] = {}
+
+    def both(self, call) -> tuple:
+        got = call(self.c), call(self.py)
+        assert state(self.c) == state(self.py)
+        return got
+
+    def batch(self, worker: str, *events: KvEvent) -> None:
+        self.seq[worker] += 1
+        applied = self.both(
+            lambda i: i.apply(KvEventBatch(worker_id=worker, seq=self.seq[worker], events=list(events)))
+        )
+        assert applied == (True, True)
+
+    def snapshot(self, worker: str, blocks: dict[str, list[int]]) -> None:
+        self.seq[worker] = 0
+        self.both(lambda i: i.load_snapshot(KvSnapshot(worker_id=worker, seq=0, blocks=blocks)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_c_table_is_the_python_table_after_every_event(seed: int) -> None:
+    """Random traffic over 70-140 workers (masks of several words), every tier, keys several
+    workers hold, keys that are no block hash, duplicates in a batch, removals of keys held
+    by others or not at all, clears, departures, and a bound small enough to evict: the
+    columns, the rows and the counters agree after every step, and so do the lookups."""
+    require_native()
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    workers = [f"w{i:03d}" for i in range(rng.choice([70, 140]))]
+    pair = Pair(max_entries=rng.choice([300, 2_000, 1_000_000]))
+    prefixes = [[rng.randrange(1 << 64) for _ in range(12)] for _ in range(30)]
+    odd = [-1, 1 << 64, (1 << 64) + 5, 0, (1 << 64) - 1]  # not block hashes, and the edges
+
+    def some_keys() -> list[int]:
+        keys = rng.choice(prefixes)[: rng.randrange(1, 13)]
+        if rng.random() < 0.2:
+            keys = [*keys, *rng.sample(odd, 2)]
+        if rng.random() < 0.1:
+            keys = [*keys, *keys[:2]]  # a key twice in one batch
+        return keys
+
+    for wid in workers[:40]:
+        pair.snapshot(wid, {rng.choice(TIERS): some_keys()})
+    for step in range(1_500):
+        roll = rng.random()
+        known = [w for w in workers if w in pair.seq]
+        wid = rng.choice(workers if rng.random() < 0.1 or not known else known)
+        if wid not in pair.seq or roll < 0.02:
+            pair.snapshot(wid, {tier: some_keys() for tier in rng.sample(TIERS, 2)})
+        elif roll < 0.55:
+            pair.batch(wid, BlocksStored(keys=some_keys(), tier=rng.choice(TIERS)))
+        elif roll < 0.85:
+            pair.batch(wid, BlocksRemoved(keys=some_keys(), tier=rng.choice(TIERS)))
+        elif roll < 0.87:
+            pair.batch(wid, AllBlocksCleared(), BlocksStored(keys=some_keys()))
+        elif roll < 0.89:
+            pair.both(lambda i, w=wid: i.forget_worker(w))
+            del pair.seq[wid]
+        else:
+            keys = [*some_keys(), rng.randrange(1 << 64)]
+            wanted = rng.sample(workers, 30) if rng.random() < 0.3 else None
+            (c_blocks, c_device), (py_blocks, py_device) = pair.both(lambda i, k=keys, w=wanted: i.match_slots(k, w))
+            assert c_blocks.tolist() == py_blocks.tolist() and c_device.tolist() == py_device.tolist(), step
+        if step % 100 == 0:
+            pair.c.check_invariants()
+    pair.c.check_invariants()
+    assert pair.c.entries > 0
+
+
+def test_a_lookup_in_c_reads_what_match_counts_says() -> None:
+    """The arrays by slot name the workers and counts ``match_counts`` gives."""
+    require_native()
+    index = PrefixIndex()
+    for wid, tiers in [
+        ("a", {"device": [1, 2, 3]}),
+        ("b", {"device": [1], "host": [2, 3]}),
+        ("c", {"cluster": [1, 2]}),
+    ]:
+        index.load_snapshot(KvSnapshot(worker_id=wid, seq=0, blocks=tiers))
+    blocks, device = index.match_slots([1, 2, 3, 4])
+    names = index.worker_slots()
+    assert {names[s]: int(n) for s, n in enumerate(blocks) if n} == {"a": 3, "b": 3, "c": 2}
+    assert {names[s]: int(n) for s, n in enumerate(device) if n} == {"a": 3, "b": 1}
+    assert index.match_counts([1, 2, 3, 4]) == ({"a": 3, "b": 3, "c": 2}, {"a": 3, "b": 1})
+
+
+def test_bad_buffers_are_errors_not_crashes() -> None:
+    require_native()
+    keys, stamp, holder, tiers = array("Q", [0]) * 16, array("q", [0]) * 16, array("i", [-1]) * 16, array("B", [0]) * 16
+    out = np.zeros(4, dtype=np.int32)
+    with pytest.raises(ValueError, match="disagree"):
+        native.walk(keys, stamp, holder, array("B", [0]) * 8, 60, [], 0, [1], 0, out, out.copy())
+    with pytest.raises(TypeError, match="items of 4 bytes"):
+        native.walk(keys, stamp, holder, tiers, 60, [], 0, [1], 0, np.zeros(4), out)
+    with pytest.raises(TypeError, match="block keys are ints"):
+        native.walk(keys, stamp, holder, tiers, 60, [], 0, ["x"], 0, out, out.copy())
+    with pytest.raises(IndexError):
+        native.store(keys, stamp, holder, tiers, 60, [1], 5, 0, 1, 0, 0, 0, 0, 10)
+    fleet = [np.zeros(3) for _ in range(7)]
+    with pytest.raises(IndexError, match="past the fleet"):
+        native.choose_prefill(
+            *fleet,
+            np.array([7], dtype=np.intp),
+            np.zeros(3, dtype=np.intp),
+            out,
+            out.copy(),
+            10,
+            16,
+            0.0,
+            10,
+            False,
+            1.0,
+        )
