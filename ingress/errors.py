@@ -18,7 +18,12 @@ IngressError
     ├── HeadersTooLarge           431 (ingress.edge: too many header bytes or fields)
     ├── Unavailable               503 (no scheduler / no workers)
     └── GenerationFailed          502 (a worker was lost mid-request)
-        └── DeadlineExceeded      504 (queued past its x-switchyard-deadline-s)
+        ├── DeadlineExceeded      504 (queued past its x-switchyard-deadline-s)
+        └── Shed                  429 rate_limit_error (given up under overload)
+
+A stream that fails before its first token is answered with these as a request that does not
+stream is (its response has not started: ``ingress.generation``); after it, as an SSE error
+event with the same body.
 
 A bare ``ApiError`` is a 500 ``server_error``: what the catch-all handler answers for
 an exception nobody expected (``ingress.app``).

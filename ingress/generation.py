@@ -18,7 +18,17 @@ takes it as the next token: a token 0 the client has is never sampled again, and
 output continues exactly where the client left off. The stream accepts chunks only from
 the new run's workers (``StreamRouter.reassign``), so a late chunk of the lost run cannot
 interleave. At most ``max_migrations`` times; after that, or when the scheduler refuses,
-the stream ends with the error event it would have had.
+the request ends with the error it would have had.
+
+A stream's response starts with its first delta, not at admission: until a token's text
+is ready to go out, nothing has been promised, so a stream that fails before then (a shed
+under overload, a migration refused, an unexpected error) is answered as a non-streaming
+request is, with a JSON error and its own status (a shed's 429, which clients retry). Then
+the role chunks go out ahead of that delta, as they always did. A stream that ends with no
+text at all (an output of only EOS or a stop string) starts at its end: 200, role chunks,
+finish chunks, ``[DONE]``. Once the response started, a failure is the stream's last
+event, as the status is sent already. A migration before the first delta is invisible
+to the client: its response has not started.
 """
 
 from __future__ import annotations
@@ -124,7 +134,7 @@ class Generation:
     first_token_at: float | None = None
     # None until the ending is known: "ok", "error", or "cancelled" (the client left first).
     outcome: str | None = None
-    response_started: bool = False
+    response_started: bool = False  # http.response.start went out (a stream: with its first delta)
     output: list[int] = field(default_factory=list)  # every token delivered, for a migration
     migrations: int = 0
     recomputed_tokens: int = 0  # prefilled again by migrations, their cached prefix excluded
@@ -365,19 +375,16 @@ class Generation:
     # --- streaming ----------------------------------------------------------------------
 
     async def _send_stream(self, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        self.response_started = True
-        if self.kind == "chat":
-            for choice in self.choices:
-                await self._event(send, self._chunk({"role": "assistant", "content": ""}, None, choice.index))
-
         frames = _DeltaFrames(self._chunk({"content": ""} if self.kind == "chat" else "", None))
         plain = len(self.choices) == 1 and self.tools is None and self.token_text is None
         plain = plain and not self.continuous_usage
 
         async def emit(choice: Choice, text: str, logprobs: dict | None) -> None:
             if plain:  # the hot path: a pre-encoded frame around the text
-                await send({"type": "http.response.body", "body": frames.delta(text), "more_body": True})
+                body = frames.delta(text)
+                if not self.response_started:  # the first delta: the response is a stream
+                    body = await self._start_stream(send) + body
+                await send({"type": "http.response.body", "body": body, "more_body": True})
                 return
             events: list[Event] = choice.reader.push(text) if choice.reader is not None else ([text] if text else [])
             await self._send_events(send, choice, events, logprobs)
@@ -390,16 +397,22 @@ class Generation:
         except StreamFailed as exc:
             self.outcome = "error"
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
-            await self._event(send, generation_error(exc.error.code, exc.error.message).body())
+            error = generation_error(exc.error.code, exc.error.message)
+            if not self.response_started:  # nothing sent: answered as a non-streaming request is
+                await _send_json(send, error)
+                return
+            await self._event(send, error.body())
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         self.outcome = "ok"
+        # No text at all (EOS or a stop string first): still a stream, started at its end.
+        head = b"" if self.response_started else await self._start_stream(send)
         ending = [self._chunk({} if self.kind == "chat" else "", c.finish_reason, c.index) for c in self.choices]
         if self.continuous_usage:
             ending[-1]["usage"] = self.usage()
         if self.include_usage:
             ending.append(self._usage_chunk())
-        body = b"".join(_sse(event) for event in ending) + b"data: [DONE]\n\n"
+        body = head + b"".join(_sse(event) for event in ending) + b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _send_events(self, send, choice: Choice, events: list[Event], logprobs: dict | None) -> None:
@@ -418,13 +431,25 @@ class Generation:
                 deltas.append({"content": event})
         if not deltas and logprobs is not None:
             deltas.append({"content": ""} if self.kind == "chat" else "")
+        head = b"" if self.response_started or not deltas else await self._start_stream(send)
         for i, delta in enumerate(deltas):
             chunk = self._chunk(delta, None, choice.index)
             if i == 0 and logprobs is not None:
                 chunk["choices"][0]["logprobs"] = logprobs
             if self.continuous_usage:
                 chunk["usage"] = self.usage()
-            await self._event(send, chunk)
+            await send({"type": "http.response.body", "body": head + _sse(chunk), "more_body": True})
+            head = b""
+
+    async def _start_stream(self, send) -> bytes:
+        """Start the SSE response, once its first delta or its ending is known (see the
+        module's note); returns its role chunks (chat), one per choice, for the caller to
+        send in one write with what follows them."""
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        self.response_started = True
+        if self.kind != "chat":
+            return b""
+        return b"".join(_sse(self._chunk({"role": "assistant", "content": ""}, None, c.index)) for c in self.choices)
 
     async def _event(self, send, payload: dict) -> None:
         await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
@@ -560,7 +585,11 @@ _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion
 
 
 async def _send_json(send, error: ApiError | None, body: dict | None = None) -> None:
-    status = error.status if error is not None else 200
-    payload = error.encoded() if error is not None else msgspec.json.encode(body)
-    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+    """``body`` with 200, or ``error`` with its status and its headers (a Retry-After)."""
+    if error is None:
+        status, payload, headers = 200, msgspec.json.encode(body), _JSON_HEADERS
+    else:
+        status, payload = error.status, error.encoded()
+        headers = [*_JSON_HEADERS, *((name.encode(), value.encode()) for name, value in error.headers().items())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})

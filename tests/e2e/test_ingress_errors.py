@@ -195,7 +195,13 @@ def test_an_unexpected_error_while_generating_is_a_json_500(stack, spans, monkey
 
 
 def test_an_unexpected_error_while_streaming_ends_the_stream_with_an_error_event(stack, spans, monkeypatch):
-    monkeypatch.setattr(TextAssembler, "push", _boom)
+    push, pushes = TextAssembler.push, []
+
+    def push_once(self, token_ids):  # the first delta goes out (the response starts with it), then boom
+        pushes.append(token_ids)
+        return push(self, token_ids) if len(pushes) == 1 else _boom()
+
+    monkeypatch.setattr(TextAssembler, "push", push_once)
     with httpx.stream(
         "POST", stack.ingress.url + CHAT, json={"model": MODEL, "messages": MESSAGES, "stream": True}, timeout=30
     ) as response:

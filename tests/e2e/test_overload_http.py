@@ -4,10 +4,11 @@ SLO-aware scheduler (``ttft_slo_s`` with the ``switchyard`` policy) gives a requ
 Two ways, two answers:
 
 - *Shed late* (``SchedulerCore._shed_late``): the request was admitted, found no slack within
-  five SLOs and its stream fails with ``overloaded``. Non-streaming, that is a 429
-  ``rate_limit_error`` (``ingress.errors.Shed``) saying why; the scheduler names no wait, so
-  there is no Retry-After. Streaming, the SSE response had started (200, the role chunk) when
-  the request was admitted, so the shed arrives as an error event in the stream.
+  five SLOs and its stream fails with ``overloaded``. That is a 429 ``rate_limit_error``
+  (``ingress.errors.Shed``) saying why, streaming or not: a stream's response starts with its
+  first token (``ingress.generation``), so a shed before it is answered as a plain request is,
+  and the client sees ``RateLimitError`` at ``create()`` (its own retry on 429 applies). The
+  scheduler names no wait, so there is no Retry-After.
 - *Refused up front* (the core's decode-side refusal): a prefilled request waits for decode
   room, so a new one is answered 429 with a Retry-After before anything else, streaming or not.
 
@@ -75,14 +76,11 @@ def _shed_non_streaming(client: openai.OpenAI) -> openai.RateLimitError:
     return info.value
 
 
-def _shed_streaming(client: openai.OpenAI) -> tuple[int, list, openai.APIError]:
-    """The stream's status, the chunks before its error, and the error."""
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True)
-    chunks = []
-    with pytest.raises(openai.APIError) as info:
-        for chunk in stream:
-            chunks.append(chunk)
-    return stream.response.status_code, chunks, info.value
+def _shed_streaming(client: openai.OpenAI) -> openai.RateLimitError:
+    """Refused at ``create()``: no stream is returned, so no chunk is ever read."""
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True)
+    return info.value
 
 
 def _assert_shed_message(message: str) -> None:
@@ -105,22 +103,18 @@ def test_a_late_request_is_shed_with_429_and_a_light_one_is_served(late_stack):
         plain = pool.submit(_shed_non_streaming, client)
         streamed = pool.submit(_shed_streaming, client)
         shed = plain.result(timeout=20)
-        status, chunks, error = streamed.result(timeout=20)
+        streamed_shed = streamed.result(timeout=20)
         assert blocker.result(timeout=20).usage.completion_tokens == 1
 
-    assert shed.status_code == 429
-    assert shed.body["type"] == "rate_limit_error" and shed.code == "overloaded"
-    _assert_shed_message(shed.message)
-    # The scheduler's stream error names no wait (``StreamError`` has none): no Retry-After.
-    assert "retry-after" not in shed.response.headers
-
-    # The streaming request was admitted, so its SSE response had started: 200 and the role
-    # chunk, no token, then the shed as the stream's error event (the same body as the 429's).
-    assert status == 200
-    assert [c.choices[0].delta.role for c in chunks] == ["assistant"]
-    assert not any(c.choices[0].delta.content for c in chunks)
-    assert error.body["type"] == "rate_limit_error" and error.body["code"] == "overloaded"
-    _assert_shed_message(error.message)
+    # Streaming or not, the same answer: the stream was shed before its first token, so its
+    # response had not started (a JSON 429, not an SSE stream with an error event).
+    for refused in (shed, streamed_shed):
+        assert refused.status_code == 429
+        assert refused.response.headers["content-type"] == "application/json"
+        assert refused.body["type"] == "rate_limit_error" and refused.code == "overloaded"
+        _assert_shed_message(refused.message)
+        # The scheduler's stream error names no wait (``StreamError`` has none): no Retry-After.
+        assert "retry-after" not in refused.response.headers
 
     # Load-dependent: with the blocker gone, the same request is served.
     assert wait_until(lambda: _queued_or_placed(late_stack) == 0)
@@ -147,7 +141,7 @@ def _phase(stack, request_id: str) -> str | None:
 def _opened(client: openai.OpenAI, stack, phase: str):
     """A long streaming request, once the scheduler has it in ``phase``."""
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, stream=True)
-    first = next(iter(stream))  # the role chunk; its id is the request's
+    first = next(iter(stream))  # the role chunk, sent with token 0's text; its id is the request's
     assert wait_until(lambda: _phase(stack, first.id) == phase, timeout_s=10), _phase(stack, first.id)
     return stream
 
