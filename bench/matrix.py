@@ -104,6 +104,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         )
     p.add_argument("--jobs", type=positive_int, default=2, help="runs in this many processes at once")
     p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other policies of each case's sweep.json already in --out: rerun one policy after a change to it",
+    )
+    p.add_argument(
         "--summarize-only",
         action="store_true",
         help="run nothing: matrix.json, its table and plot from the cases' sweep.json already in --out",
@@ -150,6 +155,8 @@ def sim_args(case: Case, args: argparse.Namespace, policies: list[str]) -> argpa
     argv = ["--trace", str(trace), "--policies", ",".join(policies), *case.sim_argv()]
     scales = ",".join(map(repr, getattr(args, f"{case.trace}_sweep")))  # repr: the float exactly
     argv += ["--sweep", scales, "--jobs", str(args.jobs)]
+    if args.merge:
+        argv.append("--merge")
     argv += ["--out", str(args.out / case.name)]
     if args.limit is not None:
         argv += ["--limit", str(args.limit)]

@@ -127,6 +127,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated --time-scale values: every policy at every scale, sweep.json and load curves",
     )
     p.add_argument("--jobs", type=positive_int, default=2, help="--sweep: runs in this many processes at once")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="--sweep: keep the other policies of the sweep.json already in --out (same trace, fleet and scales)",
+    )
 
 
 def positive_int(text: str) -> int:

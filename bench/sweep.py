@@ -59,10 +59,11 @@ def run(args: argparse.Namespace, policies: list[str], requests: list[TraceReque
         f"in {min(args.jobs, len(runs))} process(es)",
         flush=True,
     )
-    points = run_points(requests, runs, args.jobs)
-    record = sweep_record(requests, policies, args.sweep, points)
     fleet = {k: v for k, v in _fleet_record(runs[0]).items() if k != "time_scale"}
-    record = {"trace": args.trace.name, "fleet": fleet} | record
+    kept = kept_policies(args.out / "sweep.json", args, fleet, requests) if getattr(args, "merge", False) else {}
+    points = run_points(requests, runs, args.jobs)
+    record = {"trace": args.trace.name, "fleet": fleet} | sweep_record(requests, policies, args.sweep, points)
+    record["policies"] = kept | record["policies"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
     print(table(record), flush=True)
@@ -138,6 +139,23 @@ def sweep_record(requests: list[TraceRequest], policies: list[str], scales: list
         kept = [{k: v for k, v in p.items() if k not in ("policy", "wall_s")} for p in mine]
         per_policy[policy] = {"points": kept, "saturation": saturation(kept)}
     return {"requests": len(requests), "time_scales": scales, "knee_share": KNEE_SHARE, "policies": per_policy}
+
+
+def kept_policies(path: Path, args: argparse.Namespace, fleet: dict, requests: list[TraceRequest]) -> dict:
+    """``--merge``: the policies of the sweep already at ``path``, kept beside the ones run
+    now (one policy run again after a change to it). Only a sweep of the very same trace,
+    fleet, requests and time scales merges: anything else is an error, before any run,
+    that says what differs."""
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    now = {"trace": args.trace.name, "fleet": fleet, "requests": len(requests), "time_scales": args.sweep}
+    now["knee_share"] = KNEE_SHARE
+    differ = [key for key, value in now.items() if old.get(key) != value]
+    if differ:
+        raise SystemExit(f"--merge: {path} is a sweep of another {', '.join(differ)}; run every policy instead")
+    policies: dict = old["policies"]
+    return policies
 
 
 def saturation(points: list[dict]) -> dict:

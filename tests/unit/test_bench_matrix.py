@@ -105,3 +105,27 @@ def test_summarize_only_rebuilds_matrix_json_from_the_sweeps_already_there(tmp_p
     (out / "matrix.json").unlink()
     assert matrix.main([*argv, "--summarize-only", "--mooncake", str(tmp_path / "no-such-trace.jsonl")]) == 0
     assert (out / "matrix.json").read_text() == first
+
+
+def test_merge_reruns_one_policy_and_keeps_the_others_results(tmp_path):
+    trace = write_trace(tmp_path / "steady.jsonl", steady())
+    out = tmp_path / "m"
+    argv = ["--out", str(out), "--mooncake", str(trace), "--cases", "mooncake-6p2d-device", "--limit", "100"]
+    argv += ["--mooncake-sweep", "1,0.5", "--jobs", "1"]
+    assert matrix.main([*argv, "--policies", "dynamo_kv,switchyard"]) == 0
+    sweep_path = out / "mooncake-6p2d-device" / "sweep.json"
+    both = json.loads(sweep_path.read_text())
+    fake = both["policies"]["dynamo_kv"] | {"marker": "kept from the first run"}
+    sweep_path.write_text(json.dumps(both | {"policies": {"dynamo_kv": fake, "switchyard": {}}}))
+    assert matrix.main([*argv, "--policies", "switchyard", "--merge"]) == 0
+    merged = json.loads(sweep_path.read_text())
+    assert list(merged["policies"]) == ["dynamo_kv", "switchyard"]
+    assert merged["policies"]["dynamo_kv"]["marker"] == "kept from the first run"  # not run again
+    assert merged["policies"]["switchyard"] == both["policies"]["switchyard"]  # run again: the same
+    record = json.loads((out / "matrix.json").read_text())
+    assert record["cases"]["mooncake-6p2d-device"]["comparison"]["best_peer"] == "dynamo_kv"
+    # Another fleet or other scales do not merge: it says what differs.
+    with pytest.raises(SystemExit, match="another time_scales"):
+        matrix.main([*argv[:-4], "--mooncake-sweep", "1,0.4", "--jobs", "1", "--policies", "switchyard", "--merge"])
+    without = json.loads(sweep_path.read_text())
+    assert list(without["policies"]) == ["dynamo_kv", "switchyard"]  # untouched by the refused run
