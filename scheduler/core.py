@@ -19,8 +19,9 @@ for load, and it goes to the head of the queue.
 
 With a TTFT SLO (``ttft_slo_s``) and a policy that asks for it (``slo_aware``: the
 ``switchyard`` policy), a request predicted to miss the SLO is *late*: it queues behind
-every request that can still meet it, runs only on slack, and is shed (``overloaded``) if
-no slack comes within a few SLOs; see "SLO-aware queueing" below. A prompt larger than
+every request that can still meet it, runs only on slack (on a lightly loaded fleet, at
+once), and is shed (``overloaded``) if no slack comes within a few SLOs and no worker has
+nothing to do; see "SLO-aware queueing" below. A prompt larger than
 every worker's budget keeps the worker that frees up first, and requests behind it may
 go to the others meanwhile (``_backfill``), instead of the fleet draining for it.
 
@@ -99,15 +100,21 @@ class BindSession:
 Action = Dispatch | FailStream | RequestSnapshot | BindSession
 DispatchOutcome = Literal["refused", "no_responders", "timeout"]
 
-# SLO-aware queueing (``_misses_slo``): a late request runs only where the queue it joins,
-# and the prefill fleet's whole queue, drain within this share of the TTFT SLO; one that
-# found no such slack within this many SLOs of arriving is shed.
+# SLO-aware queueing (``_misses_slo``): a late request runs only on a worker whose queue
+# drains within this share of the TTFT SLO, and only if the prefill fleet's whole queue
+# does too or the fleet has had spare capacity lately; one still waiting after this many
+# SLOs takes a worker with nothing at all to do, or is shed if there is none.
 _LATE_SLACK = 0.1
 _LATE_WAIT_SLOS = 5.0
-# ...unless the prefill fleet has had spare capacity lately: its busy share (workers with
-# work on their ledger), averaged over about this window, below this.
+# Spare capacity lately: the prefill fleet's busy share (workers with work on their
+# ledger), averaged over about this window, below this...
 _BUSY_WINDOW_S = 20.0
 _BUSY_SPARE = 0.7
+# ...or below this, for a colocated worker that decodes: while a prompt runs there every
+# sequence it decodes waits a whole prefill iteration a token (vLLM's chunked prefill), so
+# time per output token grows with the worker's prefill share. At this share decoding keeps
+# most of each worker's time even with the late work added.
+_BUSY_SPARE_DECODING = 0.4
 _RATE_MIN_TOKENS = 2048  # a prediction of fewer tokens than this is mostly fixed costs
 _RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sample
 
@@ -480,35 +487,43 @@ class SchedulerCore:
             return actions
         while (rid := self._queue.head()) is not None:
             tracked = self.requests[rid]
-            if tracked.late and not self._any_slack() and not self._over_every_budget(tracked):
-                self._blocked_at = self._epoch  # only late requests are queued: none can run yet
-                return actions
-            placement = self.placer.prefill(
-                tracked, self.fleet, self._bound(tracked, now), self._ttft_budget_s(tracked, now)
-            )
-            if placement is None:
-                self._blocked_at = self._epoch
-                return actions + self._backfill(tracked, now)  # the head waits; nobody else jumps it
-            if self._misses_slo(tracked, placement, now):
-                self._queue.demote(tracked)  # behind every request that can still make it
-                if self._queue.head() != rid:
-                    continue
-                # Still the head: nothing else waits. No worker keeps its SLO, so the policy's
-                # choice was already the quickest, the one a late request gets: no second pass.
-            if tracked.late and not self._slack(placement.worker):
-                self._blocked_at = self._epoch  # only late requests are queued: they wait for slack
-                return actions
+            if tracked.late and not self._over_every_budget(tracked):
+                placement = self._late_placement(tracked, now)
+                if placement is None:
+                    self._blocked_at = self._epoch  # only late requests are queued: they wait for slack
+                    return actions
+            else:
+                placement = self.placer.prefill(
+                    tracked, self.fleet, self._bound(tracked, now), self._ttft_budget_s(tracked, now)
+                )
+                if placement is None:
+                    if self._intrinsically_late(tracked, now):
+                        self._queue.demote(tracked)  # it waits for an idle worker, but behind those on time
+                        continue
+                    self._blocked_at = self._epoch
+                    return actions + self._backfill(tracked, now)  # the head waits; nobody else jumps it
+                if self._misses_slo(tracked, placement, now):
+                    self._queue.demote(tracked)  # behind every request that can still make it
+                    continue  # whoever heads the queue now goes next (it may be this one, late)
+                if tracked.late and not self._slack(placement.worker):
+                    self._blocked_at = self._epoch  # late and over every budget: it waits for slack
+                    return actions
             self._queue.pop_head(tracked)
             actions += self._place_prefill(tracked, placement, now)
         return actions
 
     # SLO-aware queueing, for a policy that asks for it (``PrefillPolicy.slo_aware``) when a
-    # TTFT SLO is set: a request predicted to miss the SLO wherever it goes now is *late*.
-    # It waits behind every request that can still meet it, runs only on capacity nobody
-    # else needs (a worker, and a fleet, with slack), and is shed if none comes free in
-    # time: under overload it would only take capacity from requests that can meet the
-    # SLO (Mooncake's early rejection, softened: a late request still runs when there is
-    # room, so a light load loses nothing).
+    # TTFT SLO is set: a request predicted to miss the SLO wherever it goes now is *late*,
+    # because of the queue or because its prompt alone takes longer than the SLO (then it
+    # is late on arrival, whatever the load). It waits behind every request that can still
+    # meet it and runs on capacity nobody else needs (``_slack``): a worker about to run
+    # out of work, on a fleet that has had spare capacity lately or is about to run out of
+    # work as a whole; of those, the one that decodes fewest sequences (a colocated worker
+    # stalls its decodes for the prompt), then the quickest. So on a lightly loaded fleet a
+    # late request runs at once. Under overload it would only take capacity from requests
+    # that can meet the SLO: one that found no slack within ``_LATE_WAIT_SLOS`` SLOs takes a
+    # worker with nothing at all to do if the fleet is not busy right now, and is shed
+    # otherwise (Mooncake's early rejection, softened: a fleet with room sheds nothing).
 
     def _slo_aware(self) -> bool:
         return self.config.ttft_slo_s > 0 and self.placer.policy.slo_aware
@@ -531,25 +546,61 @@ class SchedulerCore:
         predicted = (worker.load_tokens + placement.tokens) / worker.prefill_rate
         return now - tracked.enqueued_at + predicted > self.config.ttft_slo_s
 
-    def _any_slack(self) -> bool:
-        """Whether ``_slack`` holds for any worker: checked before a late request's placement
-        pass, which costs a pass over the fleet and the index lookup. The fleet's queue is
-        summed once, not once a worker."""
+    def _intrinsically_late(self, tracked: Tracked, now: float) -> bool:
+        """Would this head, which no worker can take now, miss the SLO even on the fastest
+        worker idle? Then it goes behind those on time instead of holding them up (a prompt
+        over every budget waits for an idle worker). Its whole prompt is counted, cached or
+        not: it only reorders a head that cannot run yet anyway."""
+        if tracked.late or not self._slo_aware() or not self.fleet.prefill:
+            return False
+        fastest = max(w.prefill_rate for w in self.fleet.prefill.values())
+        return now - tracked.enqueued_at + tracked.prompt_tokens / fastest > self.config.ttft_slo_s
+
+    def _late_placement(self, tracked: Tracked, now: float) -> Placement | None:
+        """Of the workers with slack (any of them, not only the policy's first choice, which
+        may be the one without), those decoding fewest sequences, and of those the
+        quickest; None while there is no slack."""
+        slack = self._slack_workers()
+        if not slack and self._overdue(tracked, now):
+            slack = self._spare_now()
+        if not slack:
+            return None
+        fewest = min(len(w.held) for w in slack)
+        slack = [w for w in slack if len(w.held) == fewest]
+        return self.placer.prefill(tracked, slack, self._bound(tracked, now), self._ttft_budget_s(tracked, now))
+
+    def _slack_workers(self) -> list[WorkerState]:
+        """The prefill workers where ``_slack`` holds; the fleet's queue summed once, and
+        only when it decides something."""
         idle = [w for w in self.fleet.prefill.values() if self._worker_slack(w)]
-        return any(self._spare_lately(w) for w in idle) or (bool(idle) and self._fleet_drains())
+        spare = [w for w in idle if self._spare_lately(w)]
+        return idle if len(spare) < len(idle) and self._fleet_drains() else spare
+
+    def _spare_now(self) -> list[WorkerState]:
+        """For a late request that has waited ``_LATE_WAIT_SLOS`` SLOs: the workers with
+        nothing at all to do (about to run out of prompts, no sequence to decode), if the
+        fleet's busy share right now, not lately, is below ``_BUSY_SPARE``. The share lately
+        lags a fleet that just freed up; capacity idle now is not overload."""
+        prefill = self.fleet.prefill.values()
+        busy = sum(1 for w in prefill if w.load_tokens) / max(1, len(prefill))
+        if busy >= _BUSY_SPARE:
+            return []
+        return [w for w in prefill if self._worker_slack(w) and not w.held]
 
     def _slack(self, worker: WorkerState) -> bool:
-        """Capacity nobody else needs: this worker, and the prefill fleet as a whole, are
-        about to run out of work."""
+        """Capacity nobody else needs: this worker is about to run out of work, and the
+        fleet has had spare capacity lately or is about to run out of work as a whole."""
         return self._worker_slack(worker) and (self._spare_lately(worker) or self._fleet_drains())
 
     def _worker_slack(self, worker: WorkerState) -> bool:
         return worker.load_tokens / worker.prefill_rate <= _LATE_SLACK * self.config.ttft_slo_s
 
     def _spare_lately(self, worker: WorkerState) -> bool:
-        """The fleet has had spare capacity lately: late work crowds nobody out. (Not on a
-        colocated worker: a prompt there slows every sequence it decodes.)"""
-        return self._busy < _BUSY_SPARE and worker.role != "both"
+        """The fleet has had spare capacity lately: late work there crowds nobody out. On a
+        colocated worker that decodes, the prompt would also stall those decodes: there the
+        fleet's busy share must be lower (``_BUSY_SPARE_DECODING``). A colocated worker with
+        nothing to decode is a prefill worker for this."""
+        return self._busy < (_BUSY_SPARE_DECODING if worker.held else _BUSY_SPARE)
 
     def _fleet_drains(self) -> bool:
         prefill, rate = self._prefill_fleet()
@@ -557,30 +608,48 @@ class SchedulerCore:
 
     def _sample_busy(self, now: float) -> None:
         prefill = self.fleet.prefill.values()
-        if not prefill:
-            return
+        if not prefill or not self._slo_aware():
+            return  # read only by the late lane
         busy = sum(1 for w in prefill if w.load_tokens) / len(prefill)
-        weight = 1.0 if self._busy_at is None else min(1.0, (now - self._busy_at) / _BUSY_WINDOW_S)
+        # No history yet reads as idle, not as this instant's share: a burst that finds a
+        # fresh scheduler is not a busy past.
+        weight = 0.0 if self._busy_at is None else min(1.0, (now - self._busy_at) / _BUSY_WINDOW_S)
+        before = self._spare_lately_states()
         self._busy, self._busy_at = (1 - weight) * self._busy + weight * busy, now
+        if self._spare_lately_states() != before:
+            self._capacity_changed()  # a late head blocked for want of slack may find it now
+
+    def _spare_lately_states(self) -> tuple[bool, bool]:
+        return self._busy < _BUSY_SPARE, self._busy < _BUSY_SPARE_DECODING
+
+    def _overdue(self, tracked: Tracked, now: float) -> bool:
+        return now - tracked.enqueued_at > _LATE_WAIT_SLOS * self.config.ttft_slo_s
 
     def _shed_late(self, now: float) -> list[Action]:
-        """Late requests that found no slack within ``_LATE_WAIT_SLOS`` SLOs of arriving."""
+        """Late requests that found no slack within ``_LATE_WAIT_SLOS`` SLOs of arriving, now
+        that no worker has nothing to do either (``_spare_now``): the fleet is overloaded.
+        While one has, nothing is shed and the head may take it."""
         if not self._queue.late_tokens:
+            return []
+        overdue = [
+            r for r in self._queue.request_ids() if self.requests[r].late and self._overdue(self.requests[r], now)
+        ]
+        if not overdue:
+            return []
+        if self._spare_now():
+            self._capacity_changed()  # an overdue late head may take a worker it could not before
             return []
         slo = self.config.ttft_slo_s
         wait = _LATE_WAIT_SLOS * slo
         actions: list[Action] = []
-        for rid in self._queue.request_ids():
+        for rid in overdue:
             tracked = self.requests[rid]
-            if tracked.late and now - tracked.enqueued_at > wait:
-                self._forget(rid)
-                message = (
-                    f"request {rid} was shed: overloaded, it could not meet the {slo:g} s time to first token "
-                    f"and no capacity came free for it in {wait:g} s"
-                )
-                actions.append(
-                    FailStream(tracked.spec.ingress_id, rid, StreamError(code="overloaded", message=message))
-                )
+            self._forget(rid)
+            message = (
+                f"request {rid} was shed: overloaded, it could not meet the {slo:g} s time to first token "
+                f"and no capacity came free for it in {wait:g} s"
+            )
+            actions.append(FailStream(tracked.spec.ingress_id, rid, StreamError(code="overloaded", message=message)))
         return actions
 
     def _over_every_budget(self, tracked: Tracked) -> bool:

@@ -202,3 +202,121 @@ def test_on_a_colocated_fleet_the_safe_choice_also_weighs_what_each_worker_decod
     lightly = worker("w1", role="both")
     lightly.hold("seq", 2_000)
     assert Switchyard().choose(request, [lightly, idle], cached).worker_id == "w1"  # 800 + 2,000 < 4,000
+
+
+# --- the late lane on colocated fleets, and when shedding is right --------------------------
+#
+# A prompt of 40,000 tokens takes 5 s at the default rate: it misses the 2 s SLO even on an
+# idle worker (late on arrival, whatever the load).
+
+LONG = 40_000
+BOTH_BUDGET = 1_000_000  # prompt tokens, and KV tokens, each colocated worker holds
+
+
+class Colocated(Harness):
+    """``Harness`` for ``both`` workers: the core's own invariants after every step (the
+    harness's ledger check knows only prefill and decode workers)."""
+
+    def check(self) -> None:
+        self.core.check_invariants()
+
+
+def colocated(workers: int = 2, **config) -> Harness:
+    h = Colocated(policy="switchyard", ttft_slo_s=SLO, worker_expiry_s=1_000.0, **config)
+    for i in range(workers):
+        h.report(f"c{i}", role="both", budget=BOTH_BUDGET)
+    return h
+
+
+def decoding(h: Harness, worker_id: str, rid: str) -> None:
+    """A short request prefilled on ``worker_id``, which now decodes it."""
+    spec = make_spec(rid, prompt_len=1_000)
+    assert placed(h.admit(spec)) == {rid: worker_id}
+    h.event(prefill_done(spec, worker_id, prefill_s=0.1))
+    assert rid in h.core.workers[worker_id].held
+
+
+def busy_for(h: Harness, seconds: int) -> None:
+    """Heartbeats and ticks, a second apart, for ``seconds``: the core's busy share learns."""
+    for _ in range(seconds):
+        h.clock.advance(1.0)
+        for worker_id in h.core.workers:
+            h.report(worker_id, role="both", budget=BOTH_BUDGET)
+        h.tick()
+
+
+def test_a_long_prompt_on_an_idle_colocated_fleet_is_placed_at_once_and_never_shed() -> None:
+    h = colocated()
+    assert placed(h.admit(make_spec("long", prompt_len=LONG))) == {"long": "c0"}
+    assert h.core.requests["long"].late  # it misses the SLO anyway: it just goes first
+    assert not [a for a in h.tick(10 * SLO) if isinstance(a, FailStream)]
+    assert h.phase("long") == "prefill"
+
+
+def test_a_late_request_takes_an_idle_colocated_worker_while_another_runs_a_long_prompt() -> None:
+    # The whole fleet does not drain (c0 has 5 s of work), but c1 is idle: nobody on time
+    # needs it, so the second long prompt need not wait for c0.
+    h = colocated()
+    assert placed(h.admit(make_spec("a", prompt_len=LONG))) == {"a": "c0"}
+    assert placed(h.admit(make_spec("b", prompt_len=LONG))) == {"b": "c1"}
+
+
+def test_a_late_request_goes_to_the_slack_colocated_worker_that_decodes_fewest_sequences() -> None:
+    h = colocated()
+    decoding(h, "c0", "seq")
+    assert placed(h.admit(make_spec("long", prompt_len=LONG))) == {"long": "c1"}  # not the lowest id
+
+
+def test_on_a_colocated_fleet_busy_lately_a_late_request_does_not_stall_a_workers_decodes() -> None:
+    # c1 runs a long prompt for a minute: half the fleet busy lately. c0 is idle but decodes
+    # a sequence the late prompt would stall.
+    h = colocated()
+    decoding(h, "c0", "seq")
+    assert placed(h.admit(make_spec("a", prompt_len=10 * LONG))) == {"a": "c1"}  # not on the decodes
+    busy_for(h, 60)
+    assert placed(h.admit(make_spec("b", prompt_len=LONG))) == {}
+    assert h.core.requests["b"].late
+    # ...whereas with nothing to decode there, it takes c0 at once (as on a prefill worker)
+    h = colocated()
+    assert placed(h.admit(make_spec("a", prompt_len=10 * LONG))) == {"a": "c0"}
+    busy_for(h, 60)
+    assert placed(h.admit(make_spec("b", prompt_len=LONG))) == {"b": "c1"}
+
+
+def test_under_overload_late_requests_on_a_colocated_fleet_are_still_shed() -> None:
+    h = colocated()
+    for rid in ("a", "b"):
+        h.admit(make_spec(rid, prompt_len=10 * LONG))  # both workers busy for 50 s
+    assert placed(h.admit(make_spec("c", prompt_len=LONG))) == {}
+    assert not [a for a in h.tick(4.9 * SLO) if isinstance(a, FailStream)]
+    shed = [a for a in h.tick(0.2 * SLO) if isinstance(a, FailStream)]
+    assert [(a.request_id, a.error.code) for a in shed] == [("c", "overloaded")]
+
+
+def test_an_overdue_late_request_takes_a_worker_with_nothing_to_do_instead_of_being_shed() -> None:
+    # The whole fleet busy for a minute; then two of its four workers are left with nothing
+    # to do. The busy share lately still reads busy (it lags), so the late request waits,
+    # but once it has waited five SLOs it takes one of them: the fleet is not overloaded.
+    h = colocated(workers=4)
+    specs = [make_spec(f"r{i}", prompt_len=n) for i, n in enumerate((10 * LONG, 10 * LONG, 4 * LONG, 4 * LONG))]
+    assert placed([x for spec in specs for x in h.admit(spec)]) == {f"r{i}": f"c{i}" for i in range(4)}
+    busy_for(h, 60)
+    assert placed(h.admit(make_spec("late", prompt_len=LONG))) == {}
+    for spec in specs[2:]:
+        assert placed(h.event(prefill_done(spec, spec.request_id.replace("r", "c"), finished=True))) == {}
+    actions = []
+    for _ in range(11):
+        assert placed(actions) == {}
+        actions = h.tick(1.0)
+        assert not [x for x in actions if isinstance(x, FailStream)]
+    assert placed(actions) == {"late": "c2"}
+
+
+def test_a_head_over_every_budget_that_misses_the_slo_anyway_waits_behind_those_on_time() -> None:
+    h = fleet(workers=2, budget=10_000)
+    h.admit(make_spec("x", prompt_len=8_000))
+    h.admit(make_spec("y", prompt_len=8_000))
+    assert placed(h.admit(make_spec("huge", prompt_len=30_000))) == {}  # 3.75 s alone: late
+    assert h.core.requests["huge"].late
+    # an on-time request behind it is not held back for it, however many it would fit
+    assert placed(h.admit(make_spec("small", prompt_len=1_000))) == {"small": "p0"}
