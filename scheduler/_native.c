@@ -406,7 +406,7 @@ static PyObject *ties_list(const Ties *ties) {
 }
 
 /* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, slots, rows, blocks, device,
- *                prompt, block_size, fetch_credit, decode_tokens, check_kv, limit)
+ *                prompt, block_size, fetch_credit, decode_tokens, check_kv, limit, queue_weight)
  *   -> [(slot, need), ...]: the best workers, tied (the caller takes the lowest id); [] if none fits
  *
  * ``Placer._prefill_by_slot`` with ``Switchyard.choose_slots``: over the fleet's workers at
@@ -414,16 +414,17 @@ static PyObject *ties_list(const Ties *ties) {
  * does not know), its uncached tokens (``_uncached``), whether it takes them (``_fitting``:
  * ``check_kv`` when the fleet has colocated workers), and among those that do, when
  * ``limit`` (half the time left before the TTFT SLO) is finite and some worker's predicted
- * TTFT is within it, the least work among those, then the quickest; else the quickest. */
+ * TTFT is within it, the least work among those (on a colocated worker its queue counts
+ * ``queue_weight`` times, and the KV it decodes), then the quickest; else the quickest. */
 static PyObject *choose_prefill(PyObject *self, PyObject *args) {
     PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_slots, *o_rows, *o_blocks,
         *o_device;
     long long prompt, block_size, decode_tokens;
-    double fetch_credit, limit;
+    double fetch_credit, limit, queue_weight;
     int check_kv;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOLLdLpd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOLLdLpdd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
                           &o_coloc, &o_slots, &o_rows, &o_blocks, &o_device, &prompt, &block_size, &fetch_credit,
-                          &decode_tokens, &check_kv, &limit))
+                          &decode_tokens, &check_kv, &limit, &queue_weight))
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
@@ -474,7 +475,7 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
         double work;
         int safe = slo && pred <= limit;
         if (safe) {
-            work = coloc[s] != 0.0 ? (uncached + load[s]) + kv[s] : uncached;
+            work = coloc[s] != 0.0 ? (uncached + queue_weight * load[s]) + kv[s] : uncached;
             if (!any_safe || work < best_work || (work == best_work && pred < best_pred)) {
                 any_safe = 1;
                 best_work = work;

@@ -72,5 +72,6 @@ def choose_prefill(
     decode_tokens: int,
     check_kv: bool,
     limit: float,
+    queue_weight: float,
 ) -> list[tuple[int, float]]: ...
 def choose_decode(load: Buffer, budget: Buffer, running: Buffer, slots: Buffer, tokens: int) -> list[int]: ...

@@ -153,4 +153,5 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
             10,
             False,
             1.0,
+            4.0,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import pytest
@@ -275,3 +276,18 @@ def test_every_policy_drives_the_core_until_every_request_is_done(name: str, col
         core.check_invariants()
     assert not core.requests
     assert all(w.load_tokens == 0 and w.kv_tokens == 0 for w in core.workers.values())
+
+
+def test_on_a_colocated_fleet_a_queued_prompt_weighs_more_than_kv_decoding_beside_it() -> None:
+    """The prompt's first token waits on the worker's queue: a worker with an empty queue
+    wins over one whose decodes hold a little less KV but that has a prompt queued."""
+    queued = worker("w1", load=500, requests=1, role="both")  # a 500-token prompt queued
+    queued.hold("seq", 1_000)
+    empty = worker("w2", role="both")
+    empty.hold("seq", 2_000)  # 1,000 more KV tokens decoding, nothing queued
+    request, safe = tracked(prompt_len=4_000), replace(view(prompt=4_000), ttft_budget_s=10.0)
+    # 4,000 + 4 x 500 + 1,000 = 7,000 against 4,000 + 2,000 = 6,000 (with the queue at par,
+    # 5,500: the queued worker would win)
+    assert Switchyard().choose(request, [queued, empty], safe).worker_id == "w2"
+    queued.release("w1-r0")
+    assert Switchyard().choose(request, [queued, empty], safe).worker_id == "w1"  # its queue ran
