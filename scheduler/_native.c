@@ -191,6 +191,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
              *next = words + 4 * nwords, *tmp = words + 5 * nwords;
     memset(words, 0, (size_t)(6 * nwords) * sizeof(uint64_t));
     if (bits_of(wanted, reach, nwords) < 0) goto done;
+    if (nslots % 64) reach[nslots / 64] &= ((uint64_t)1 << (nslots % 64)) - 1; /* no write past the arrays */
+    for (Py_ssize_t w = nslots / 64 + (nslots % 64 != 0); w < nwords; w++) reach[w] = 0;
     memcpy(dev_alive, reach, (size_t)nwords * sizeof(uint64_t));
     if (!(matched = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t)))) {
         PyErr_NoMemory();
@@ -221,7 +223,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             in_cluster = PyObject_IsTrue(PyList_GET_ITEM(masks, row + 3));
             if (in_cluster < 0) goto done;
         } else {
-            if (h >= (int64_t)nwords * 64) {
+            if (h >= nslots) {
                 PyErr_SetString(PyExc_ValueError, "a holder past the worker slots");
                 goto done;
             }

@@ -155,3 +155,23 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
             1.0,
             4.0,
         )
+
+
+def test_a_lookup_writes_only_the_slots_it_was_given() -> None:
+    """Workers past the arrays' length (a mask wider than the fleet) are never written."""
+    require_native()
+    index = PrefixIndex()
+    index.load_snapshot(KvSnapshot(worker_id="a", seq=0, blocks={"cluster": [5, 6]}))
+    room, device_room = np.zeros(64, dtype=np.int32), np.zeros(64, dtype=np.int32)
+    blocks, device = room[:1], device_room[:1]  # one slot, in front of memory it must not touch
+    wide = (1 << 10) | (1 << 63) | 1  # the cluster tier keeps every wanted worker matching
+    native.walk(
+        index._keys, index._stamp, index._holder, index._tiers, index._shift, index._rows.masks, wide, [5, 6], 0,
+        blocks, device,
+    )  # fmt: skip
+    assert room.tolist() == [2] + [0] * 63 and not device_room.any()
+    with pytest.raises(OverflowError):
+        native.walk(
+            index._keys, index._stamp, index._holder, index._tiers, index._shift, index._rows.masks, 1 << 64, [5], 0,
+            blocks, device,
+        )  # fmt: skip
