@@ -195,13 +195,23 @@ def test_an_unexpected_error_while_generating_is_a_json_500(stack, spans, monkey
 
 
 def test_an_unexpected_error_while_streaming_ends_the_stream_with_an_error_event(stack, spans, monkeypatch):
-    push, pushes = TextAssembler.push, []
+    push, finish, sent = TextAssembler.push, TextAssembler.finish, []
 
-    def push_once(self, token_ids):  # the first delta goes out (the response starts with it), then boom
-        pushes.append(token_ids)
-        return push(self, token_ids) if len(pushes) == 1 else _boom()
+    # Boom once some text has gone out (the response starts with the first delta): at the next
+    # push, or at the end if every token came in that one delta (coalesced under load).
+    def push_after_text(self, token_ids):
+        if sent:
+            _boom()
+        text = push(self, token_ids)
+        if text:
+            sent.append(text)
+        return text
 
-    monkeypatch.setattr(TextAssembler, "push", push_once)
+    def finish_after_text(self):
+        return _boom() if sent else finish(self)
+
+    monkeypatch.setattr(TextAssembler, "push", push_after_text)
+    monkeypatch.setattr(TextAssembler, "finish", finish_after_text)
     with httpx.stream(
         "POST", stack.ingress.url + CHAT, json={"model": MODEL, "messages": MESSAGES, "stream": True}, timeout=30
     ) as response:
