@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import PrefixIndex
 from switchyard.scheduler.placement import Placement, Placer
@@ -581,11 +583,9 @@ class SchedulerCore:
         nothing at all to do (about to run out of prompts, no sequence to decode), if the
         fleet's busy share right now, not lately, is below ``_BUSY_SPARE``. The share lately
         lags a fleet that just freed up; capacity idle now is not overload."""
-        prefill = self.fleet.prefill.values()
-        busy = sum(1 for w in prefill if w.load_tokens) / max(1, len(prefill))
-        if busy >= _BUSY_SPARE:
+        if self._busy_now() >= _BUSY_SPARE:
             return []
-        return [w for w in prefill if self._worker_slack(w) and not w.held]
+        return [w for w in self.fleet.prefill.values() if self._worker_slack(w) and not w.held]
 
     def _slack(self, worker: WorkerState) -> bool:
         """Capacity nobody else needs: this worker is about to run out of work, and the
@@ -607,10 +607,9 @@ class SchedulerCore:
         return sum(w.load_tokens for w in prefill) / rate <= _LATE_SLACK * self.config.ttft_slo_s
 
     def _sample_busy(self, now: float) -> None:
-        prefill = self.fleet.prefill.values()
-        if not prefill or not self._slo_aware():
+        if not self.fleet.prefill or not self._slo_aware():
             return  # read only by the late lane
-        busy = sum(1 for w in prefill if w.load_tokens) / len(prefill)
+        busy = self._busy_now()
         # No history yet reads as idle, not as this instant's share: a burst that finds a
         # fresh scheduler is not a busy past.
         weight = 0.0 if self._busy_at is None else min(1.0, (now - self._busy_at) / _BUSY_WINDOW_S)
@@ -618,6 +617,12 @@ class SchedulerCore:
         self._busy, self._busy_at = (1 - weight) * self._busy + weight * busy, now
         if self._spare_lately_states() != before:
             self._capacity_changed()  # a late head blocked for want of slack may find it now
+
+    def _busy_now(self) -> float:
+        """The prefill fleet's busy share at this instant: workers with work on their ledger
+        (from the fleet's arrays: no pass over the workers in Python)."""
+        slots = self.fleet.slots("prefill")
+        return int(np.count_nonzero(self.fleet.load[slots])) / max(1, len(slots))
 
     def _spare_lately_states(self) -> tuple[bool, bool]:
         return self._busy < _BUSY_SPARE, self._busy < _BUSY_SPARE_DECODING

@@ -213,9 +213,7 @@ def _decode_by_slot(fleet: Fleet, tokens: int, native: bool = False) -> WorkerSt
     slots = fleet.slots("decode")
     if native:
         tied = _native.choose_decode(fleet.load, fleet.budget, fleet.running, slots, tokens)
-        if len(tied) < 2:
-            return fleet.workers[fleet.ids[tied[0]]] if tied else None  # type: ignore[index]
-        return lowest_id(fleet, np.array(tied, dtype=np.intp))
+        return lowest_id(fleet, tied) if tied else None
     load, budget = fleet.load[slots], fleet.budget[slots]
     fits = (load == 0) | (load + tokens <= budget)
     slots = slots[fits]

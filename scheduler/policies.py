@@ -216,8 +216,8 @@ class Switchyard:
         )  # fmt: skip
         if not tied:
             return None
-        slot, need = tied[0] if len(tied) == 1 else min(tied, key=lambda t: fleet.ids[t[0]] or "")
-        best = fleet.workers[fleet.ids[slot]]  # type: ignore[index]
+        best = lowest_id(fleet, [slot for slot, _ in tied])
+        need = next(need for slot, need in tied if slot == best.slot)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "cost %s on %s = (queued %d + need %d of %d) / %.0f tok/s",

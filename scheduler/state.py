@@ -276,7 +276,7 @@ class Fleet:
             assert all(getattr(self, name)[slot] == free for name, free in _ARRAYS.items()), slot
 
 
-def lowest_id(fleet: Fleet, slots: npt.NDArray[np.intp]) -> WorkerState:
+def lowest_id(fleet: Fleet, slots: npt.NDArray[np.intp] | list[int]) -> WorkerState:
     """The worker of ``slots`` with the lowest id: the policies' tie-break."""
-    ids = (fleet.ids[s] for s in slots.tolist())
+    ids = (fleet.ids[s] for s in (slots.tolist() if isinstance(slots, np.ndarray) else slots))
     return fleet.workers[min(w for w in ids if w is not None)]
