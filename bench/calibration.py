@@ -15,8 +15,8 @@ from switchyard.bench.costmodel import CostModel
 from switchyard.bench.fleet import EventLoop, SimWorker
 from switchyard.schemas import (
     KvEventBatch,
+    LocalTask,
     PrefillDone,
-    PrefillTask,
     RequestFinished,
     RequestSpec,
     SamplingParams,
@@ -81,7 +81,7 @@ class _ClosedLoop:
             block_keys=[],
             sampling=SamplingParams(max_tokens=self.row.output_tokens),
         )
-        self.worker.accept(PrefillTask(spec=spec, queued_s=0.0), now)
+        self.worker.accept(LocalTask(spec=spec, queued_s=0.0), now)
 
     def worker_event(self, event: WorkerEvent, now: float) -> None:
         match event:

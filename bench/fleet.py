@@ -262,7 +262,7 @@ class SimWorker:
         if isinstance(task, DecodeTask):
             self._receive(task, now)
             return
-        decode_here = isinstance(task, LocalTask) or self.role == "both"
+        decode_here = isinstance(task, LocalTask)
         assert self.role != "decode" or isinstance(task, LocalTask), f"{self.worker_id} got {task!r}"
         self._prompts.append(_Prompt(task, now, len(task.spec.prompt_tokens), decode_here))
         self._kick(now)

@@ -73,6 +73,14 @@ class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
             ge=0.0,
         ),
     ] = 0.0
+    tpot_slo_s: Annotated[
+        float,
+        setting(
+            "the time per output token requests should meet (0: none). With the switchyard policy on "
+            "colocated workers, some are lent to decoding while decodes run slower than it",
+            ge=0.0,
+        ),
+    ] = 0.0
     backfill_lookahead: Annotated[
         int,
         setting(

@@ -43,6 +43,7 @@ import numpy as np
 
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import PrefixIndex
+from switchyard.scheduler.lending import Lending
 from switchyard.scheduler.placement import Placement, Placer
 from switchyard.scheduler.queue import FairQueue
 from switchyard.scheduler.sessions import Binding, SessionTable
@@ -151,6 +152,7 @@ class SchedulerCore:
         # each tick, averaged over about ``_BUSY_WINDOW_S``), and when it was last sampled.
         self._busy = 0.0
         self._busy_at: float | None = None
+        self._lending = Lending(config)
         self._snapshots_asked: set[str] = set()
         self._snapshot_retry_at: dict[str, float] = {}  # worker -> when to ask again
         # Placing the queue's head costs a pass over the fleet. When it fails, nothing can
@@ -197,6 +199,7 @@ class SchedulerCore:
                 if tracked is None or tracked.worker_id != event.worker_id:
                     return []  # stale: from an attempt that is no longer the request's
                 self._learn_decode(tracked, now)
+                self._lend(tracked, event, now)
                 self._forget(event.request_id)
                 return self._drain(now)
             case WorkerLeaving():
@@ -456,6 +459,22 @@ class SchedulerCore:
         if tracked.decode_started is not None and tracked.phase == "decode":
             self._decode_s = (1 - _RATE_WEIGHT) * self._decode_s + _RATE_WEIGHT * (now - tracked.decode_started)
 
+    def _lend(self, tracked: Tracked, finished: RequestFinished, now: float) -> None:
+        """Colocated workers lent to decoding, and back (``Lending``), from the time per
+        output token of each finished decode."""
+        roles = self.fleet.roles
+        colocated = roles["both"] > 0 and roles["prefill"] == roles["decode"] == 0
+        if not colocated or not self._slo_aware() or tracked.decode_started is None or tracked.phase != "decode":
+            return
+        tpot = (now - tracked.decode_started) / max(1, finished.generated_tokens - 1)
+        self._lending.observe(tracked.worker_id in self.fleet.lent, tpot)
+        change = self._lending.decide(self.fleet, self._late_waiting, max(1.0, self._decode_s), now)
+        if change is not None:
+            self._capacity_changed()
+
+    def _late_waiting(self) -> bool:
+        return any(self.requests[r].late for r in self._queue.request_ids())
+
     def _overloaded(self, rid: str, why: str) -> Rejected:
         wait = max(1.0, math.ceil(self.predicted_wait_s()))
         return Rejected(
@@ -668,7 +687,7 @@ class SchedulerCore:
         if not self._over_every_budget(head):
             return []
         kept = min(self.fleet.prefill.values(), key=lambda w: (w.load_tokens / w.prefill_rate, w.worker_id))
-        others = [w for w in self.workers.values() if w is not kept]
+        others = [w for w in self.workers.values() if w is not kept and w.worker_id not in self.fleet.lent]
         actions: list[Action] = []
         for rid in self._queue.behind_head(self.config.backfill_lookahead):
             tracked = self.requests[rid]
@@ -685,13 +704,15 @@ class SchedulerCore:
         worker, spec = placement.worker, tracked.spec
         tracked.dispatched_at, tracked.ahead_tokens = now, worker.load_tokens + placement.tokens
         worker.assign(spec.request_id, placement.tokens)
-        tracked.phase, tracked.worker_id, tracked.local = "prefill", worker.worker_id, placement.kind == "local"
+        # A colocated worker decodes what it prefilled, unless some are lent to decoding.
+        local = placement.kind == "local" or (worker.role == "both" and not self.fleet.lent)
+        tracked.phase, tracked.worker_id, tracked.local = "prefill", worker.worker_id, local
         tracked.attempts += 1
         queued_s = max(0.0, now - tracked.enqueued_at)
         kind = LocalTask if tracked.local else PrefillTask
         task = kind(spec=spec, queued_s=queued_s, charged_tokens=placement.tokens)
         actions: list[Action] = [Dispatch(worker.worker_id, task)]
-        if spec.session is not None and not tracked.local:
+        if spec.session is not None and (not tracked.local or worker.role == "both"):
             actions.append(BindSession(self.sessions.bind(spec.tenant, spec.session, worker.worker_id, now)))
         return actions
 
@@ -713,7 +734,7 @@ class SchedulerCore:
             self._forget(done.request_id)
             return self._drain_prefill(now)
         tracked.prefill, tracked.attempts = done, 0
-        if tracked.local or worker.role == "both":  # decodes where it prefilled
+        if tracked.local:  # decodes where it prefilled
             if worker.role == "both":
                 worker.hold(done.request_id, tracked.decode_tokens)
             else:
@@ -808,7 +829,10 @@ class SchedulerCore:
     def _place_decode(self, tracked: Tracked, worker: WorkerState, now: float) -> Dispatch:
         done = tracked.prefill
         assert done is not None
-        worker.assign(tracked.spec.request_id, tracked.decode_tokens)
+        if worker.role == "both":
+            worker.hold(tracked.spec.request_id, tracked.decode_tokens)
+        else:
+            worker.assign(tracked.spec.request_id, tracked.decode_tokens)
         tracked.phase, tracked.worker_id = "decode", worker.worker_id
         tracked.decode_started = now
         tracked.attempts += 1

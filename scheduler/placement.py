@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import PrefixIndex
+from switchyard.scheduler.lending import pick_decode
 from switchyard.scheduler.native import native as _native
 from switchyard.scheduler.policies import PlacementView, decode_cost, make_policy
 from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id
@@ -151,6 +152,8 @@ class Placer:
     def decode(self, request: Tracked, workers: Iterable[WorkerState] | Fleet) -> WorkerState | None:
         tokens = request.decode_tokens  # a computed property: once, not once a worker
         if isinstance(workers, Fleet):
+            if workers.lent or (workers.roles["both"] and not workers.decode):
+                return pick_decode(workers, tokens)  # colocated: handed over to a lent worker
             return _decode_by_slot(workers, tokens, self.index.native)
         fitting = [w for w in workers if w.role == "decode" and w.fits(tokens)]
         return min(fitting, key=decode_cost) if fitting else None

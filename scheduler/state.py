@@ -156,6 +156,9 @@ class Fleet:
         self.workers: dict[str, WorkerState] = {}
         self.prefill: dict[str, WorkerState] = {}  # role prefill or both
         self.decode: dict[str, WorkerState] = {}  # role decode
+        # Colocated workers lent to decoding (``lend``): out of ``prefill``, so no prompt is
+        # placed on them; decodes handed over from the others go to them.
+        self.lent: dict[str, WorkerState] = {}
         self.roles: Counter[str] = Counter()
         self.decode_capacity = 0
         self.ids: list[str | None] = []  # slot -> worker id
@@ -189,7 +192,8 @@ class Fleet:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return None
-        (self.decode if worker.role == "decode" else self.prefill).pop(worker_id)
+        if self.lent.pop(worker_id, None) is None:
+            (self.decode if worker.role == "decode" else self.prefill).pop(worker_id)
         self.roles[worker.role] -= 1
         self.decode_capacity -= kv_share(worker)
         slot = worker.slot
@@ -199,6 +203,19 @@ class Fleet:
             getattr(self, name)[slot] = free
         self.version += 1
         return worker
+
+    def lend(self, worker_id: str) -> None:
+        """Lend a colocated worker to decoding: no prompt is placed on it from now on."""
+        worker = self.prefill.pop(worker_id)
+        assert worker.role == "both", worker_id
+        self.lent[worker_id] = worker
+        self.version += 1
+
+    def take_back(self, worker_id: str) -> None:
+        """A lent worker prefills again."""
+        self.prefill[worker_id] = self.lent.pop(worker_id)
+        self.prefill = {w: self.workers[w] for w in self.workers if w in self.prefill}  # join order
+        self.version += 1
 
     def mirror(self, worker: WorkerState, name: str, value: Any) -> None:
         """``worker`` is about to set ``name`` to ``value``: keep the arrays and counters."""
@@ -266,6 +283,8 @@ class Fleet:
 
     def check_invariants(self) -> None:
         assert self.roles == Counter(w.role for w in self.workers.values()), self.roles
+        assert set(self.workers) == set(self.prefill) | set(self.decode) | set(self.lent)
+        assert len(self.workers) == len(self.prefill) + len(self.decode) + len(self.lent)
         assert self.decode_capacity == sum(kv_share(w) for w in self.workers.values())
         for worker in self.workers.values():
             slot = worker.slot

@@ -24,8 +24,8 @@ from switchyard.schemas import (
     BlocksRemoved,
     BlocksStored,
     LoadReport,
+    LocalTask,
     PrefillDone,
-    PrefillTask,
     RequestFinished,
     RequestSpec,
     SamplingParams,
@@ -127,7 +127,8 @@ def tpot_of_a_decode(with_long_prompt_arriving: bool) -> float:
             block_keys=[],
             sampling=SamplingParams(max_tokens=out),
         )
-        loop.at(at, lambda now: worker.accept(PrefillTask(spec=spec, queued_s=0.0), now))
+        # A LocalTask: a colocated worker decodes it where it prefilled (a PrefillTask hands it over).
+        loop.at(at, lambda now: worker.accept(LocalTask(spec=spec, queued_s=0.0), now))
 
     send("a", 1000, 50, 0.0)
     if with_long_prompt_arriving:

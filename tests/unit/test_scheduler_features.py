@@ -209,7 +209,7 @@ def test_colocated_workers_decode_where_they_prefill() -> None:
     spec = make_spec("a", prompt_len=100, max_tokens=20)
     reply, actions = c.submit(spec)
     assert isinstance(reply, Admitted)
-    ((_, home),) = dispatches(actions, PrefillTask)
+    ((_, home),) = dispatches(actions, LocalTask)  # prefill, then decode there: no handoff
     assert c.event(prefill_done(spec, home)) == []
     w = c.core.workers[home]
     # two ledgers: its prefill budget is free again, its KV holds the sequence

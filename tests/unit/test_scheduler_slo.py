@@ -14,7 +14,7 @@ import pytest
 
 from switchyard.scheduler import Dispatch, FailStream
 from switchyard.scheduler.policies import Switchyard
-from switchyard.schemas import Admitted, PrefillTask
+from switchyard.schemas import Admitted, LocalTask, PrefillTask
 from tests.support.factories import make_spec, prefill_done
 from tests.unit.test_policies import tracked, view, worker
 from tests.unit.test_scheduler_core import Harness
@@ -23,11 +23,12 @@ SLO = 2.0
 
 
 def placed(actions: list) -> dict[str, str]:
-    """request -> worker, for the prefill tasks among ``actions``."""
+    """request -> worker, for the prefill tasks among ``actions`` (a colocated worker's
+    ``LocalTask`` too: it prefills, then decodes there)."""
     return {
         a.task.spec.request_id: a.worker_id
         for a in actions
-        if isinstance(a, Dispatch) and isinstance(a.task, PrefillTask)
+        if isinstance(a, Dispatch) and isinstance(a.task, PrefillTask | LocalTask)
     }
 
 

@@ -1,0 +1,145 @@
+"""Colocated workers lent to decoding (``scheduler/lending.py``): the fleet's bookkeeping,
+the rule that lends and takes back, where a handed-over decode goes, and the core's use
+of it (a ``PrefillTask`` then a ``DecodeTask`` to a lent worker instead of a ``LocalTask``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchyard.scheduler import Dispatch, SchedulerConfig
+from switchyard.scheduler.lending import Lending, pick_decode
+from switchyard.scheduler.state import Fleet, WorkerState
+from switchyard.schemas import DecodeTask, LocalTask, PrefillTask
+from tests.support.factories import make_spec, prefill_done, request_finished
+from tests.unit.test_scheduler_slo import BOTH_BUDGET, Colocated
+
+TPOT_SLO = 0.05
+SLOW, QUICK = 0.9 * TPOT_SLO, 0.3 * TPOT_SLO
+
+
+def both(worker_id: str, held: int = 0, load: int = 0) -> WorkerState:
+    worker = WorkerState(worker_id, "both", token_budget=100_000, block_size=16, last_seen=0.0, kv_capacity=10_000)
+    for i in range(held):
+        worker.hold(f"{worker_id}-seq{i}", 100)
+    if load:
+        worker.assign(f"{worker_id}-prompt", load)
+    return worker
+
+
+def colocated_fleet(*workers: WorkerState) -> Fleet:
+    fleet = Fleet()
+    for worker in workers:
+        fleet.add(worker)
+    return fleet
+
+
+def test_a_lent_worker_leaves_the_prefill_workers_and_comes_back_in_its_place() -> None:
+    fleet = colocated_fleet(both("a"), both("b"), both("c"))
+    fleet.lend("b")
+    assert list(fleet.prefill) == ["a", "c"] and list(fleet.lent) == ["b"]
+    assert [fleet.ids[s] for s in fleet.slots("prefill")] == ["a", "c"]  # no prompt is placed on it
+    fleet.check_invariants()
+    fleet.take_back("b")
+    assert list(fleet.prefill) == ["a", "b", "c"] and not fleet.lent  # in the order they joined
+    assert [fleet.ids[s] for s in fleet.slots("prefill")] == ["a", "b", "c"]
+    fleet.lend("c")
+    assert fleet.remove("c") is not None and not fleet.lent  # a lent worker may leave
+    fleet.check_invariants()
+
+
+def test_slow_decodes_lend_the_worker_with_most_decodes_then_wait_a_decode_before_the_next() -> None:
+    fleet = colocated_fleet(both("a", held=1), both("b", held=3, load=500), both("c", held=3), both("d"))
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    never = lambda: False  # noqa: E731
+    lending.observe(False, QUICK)
+    assert lending.decide(fleet, never, settle_s=10.0, now=0.0) is None  # quick enough: all prefill
+    for _ in range(60):
+        lending.observe(False, SLOW)
+    assert lending.decide(fleet, never, 10.0, now=1.0) == "c"  # most decodes; fewer prompts than b
+    assert list(fleet.lent) == ["c"]
+    lending.observe(True, SLOW)
+    assert lending.decide(fleet, never, 10.0, now=5.0) is None  # the last change has not settled
+    assert lending.decide(fleet, never, 10.0, now=12.0) == "b"  # the lent ones are slow too
+    lending.observe(True, SLOW)
+    assert lending.decide(fleet, never, 10.0, now=30.0) == "a"
+    lending.observe(True, SLOW)
+    assert lending.decide(fleet, never, 10.0, now=60.0) is None  # the last prefill worker stays
+    assert list(fleet.prefill) == ["d"] and lending.lent_total == 3
+
+
+def test_quick_lent_decodes_give_a_worker_back_only_while_prefill_is_short() -> None:
+    fleet = colocated_fleet(both("a"), both("b", held=2), both("c", held=1))
+    fleet.lend("b")
+    fleet.lend("c")
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    lending.observe(True, QUICK)
+    assert lending.decide(fleet, lambda: False, 10.0, now=0.0) is None  # prefill keeps up
+    assert lending.decide(fleet, lambda: True, 10.0, now=0.0) == "c"  # the one decoding fewest
+    assert list(fleet.lent) == ["b"] and lending.taken_back == 1
+
+
+def test_without_a_tpot_slo_nothing_is_lent() -> None:
+    fleet = colocated_fleet(both("a"), both("b"))
+    lending = Lending(SchedulerConfig())
+    lending.observe(False, 10.0)
+    assert lending.decide(fleet, lambda: True, 0.0, now=0.0) is None and not fleet.lent
+
+
+def test_a_handed_over_decode_goes_to_the_lent_worker_with_room_that_decodes_fewest() -> None:
+    full = both("full")
+    full.hold("big", 9_950)
+    fleet = colocated_fleet(both("a", held=5, load=0), both("b", load=800), both("c", held=4), both("d", held=2), full)
+    fleet.lend("c")
+    fleet.lend("d")
+    fleet.lend("full")
+    assert pick_decode(fleet, 100).worker_id == "d"  # not full's single sequence: no room there
+    fleet.take_back("c")
+    fleet.take_back("d")
+    assert pick_decode(fleet, 100).worker_id == "d"  # no lent one with room: fewest prompt tokens, then decodes
+
+
+class TestTheCore:
+    """The core on a colocated fleet with a TPOT SLO: slow decodes lend a worker, and from
+    then on prompts go to the others, which hand each decode over to it."""
+
+    @staticmethod
+    def core(policy: str = "switchyard", tpot_slo_s: float = TPOT_SLO) -> Colocated:
+        h = Colocated(policy=policy, ttft_slo_s=2.0, tpot_slo_s=tpot_slo_s, worker_expiry_s=1_000.0)
+        for i in range(3):
+            h.report(f"c{i}", role="both", budget=BOTH_BUDGET)
+        return h
+
+    @staticmethod
+    def slow_decode(h: Colocated) -> str:
+        """One request prefilled and decoded on one worker at 0.5 s a token; its worker."""
+        spec = make_spec("slow", prompt_len=1_000, max_tokens=21)
+        ((dispatch,),) = [[a for a in h.admit(spec) if isinstance(a, Dispatch)]]
+        assert isinstance(dispatch.task, LocalTask)  # nothing lent yet: prefill, then decode there
+        h.event(prefill_done(spec, dispatch.worker_id, prefill_s=0.1))
+        h.clock.advance(10.0)
+        h.event(request_finished(spec, dispatch.worker_id, generated=21))
+        return dispatch.worker_id
+
+    def test_slow_decodes_lend_a_worker_and_the_others_hand_their_decodes_to_it(self) -> None:
+        h = self.core()
+        self.slow_decode(h)
+        (lent,) = h.core.fleet.lent
+        spec = make_spec("next", prompt_len=1_000, max_tokens=20)
+        ((dispatch,),) = [[a for a in h.admit(spec) if isinstance(a, Dispatch)]]
+        assert isinstance(dispatch.task, PrefillTask) and dispatch.worker_id != lent  # prefill, then hand over
+        handoff = [a for a in h.event(prefill_done(spec, dispatch.worker_id)) if isinstance(a, Dispatch)]
+        assert [(a.worker_id, type(a.task)) for a in handoff] == [(lent, DecodeTask)]
+        worker = h.core.workers[lent]
+        assert worker.held == {"next": h.core.requests["next"].decode_tokens} and worker.load_tokens == 0
+        h.event(request_finished(spec, lent, generated=20))
+        assert not worker.held and "next" not in h.core.requests
+
+    @pytest.mark.parametrize(("policy", "tpot_slo_s"), [("llmd", TPOT_SLO), ("switchyard", 0.0)])
+    def test_a_peer_or_no_tpot_slo_keeps_every_decode_where_it_was_prefilled(
+        self, policy: str, tpot_slo_s: float
+    ) -> None:
+        h = self.core(policy, tpot_slo_s)
+        self.slow_decode(h)
+        assert not h.core.fleet.lent
+        actions = h.admit(make_spec("next", prompt_len=1_000))
+        assert [type(a.task) for a in actions if isinstance(a, Dispatch)] == [LocalTask]
