@@ -108,7 +108,7 @@ DispatchOutcome = Literal["refused", "no_responders", "timeout"]
 # does too or the fleet has had spare capacity lately; one still waiting after this many
 # SLOs takes a worker with nothing at all to do, or is shed if there is none.
 _LATE_SLACK = 0.1
-_LATE_WAIT_SLOS = 5.0
+_LATE_WAIT_SLOS = 2.0
 # Spare capacity lately: the prefill fleet's busy share (workers with work on their
 # ledger), averaged over about this window, below this...
 _BUSY_WINDOW_S = 20.0

@@ -4,7 +4,7 @@ SLO-aware scheduler (``ttft_slo_s`` with the ``switchyard`` policy) gives a requ
 Two ways, two answers:
 
 - *Shed late* (``SchedulerCore._shed_late``): the request was admitted, found no slack within
-  five SLOs and its stream fails with ``overloaded``. That is a 429 ``rate_limit_error``
+  two SLOs and its stream fails with ``overloaded``. That is a 429 ``rate_limit_error``
   (``ingress.errors.Shed``) saying why, streaming or not: a stream's response starts with its
   first token (``ingress.generation``), so a shed before it is answered as a plain request is,
   and the client sees ``RateLimitError`` at ``create()`` (its own retry on 429 applies). The
@@ -30,7 +30,7 @@ from switchyard.scheduler.config import SchedulerConfig
 from switchyard.workers.sim import SimCostModel
 from tests.support.stack import MODEL, running_stack, wait_until, worker_config
 
-SLO_S = 0.2  # a late request is shed after 5 SLOs (``_LATE_WAIT_SLOS``): 1 s
+SLO_S = 0.2  # a late request is shed after 2 SLOs (``_LATE_WAIT_SLOS``): 0.4 s
 RATE = 1000.0  # prefill tokens/s: assumed by the scheduler, and the sim worker's real speed
 BLOCKER_TOKENS = 2500  # 2.5 s of prefill: a request behind it is late on arrival, and shed first
 SLOW_DECODE = SimCostModel(decode_step_base_s=0.02)  # 300 tokens take 6 s
