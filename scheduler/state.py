@@ -194,6 +194,9 @@ class Fleet:
             return None
         if self.lent.pop(worker_id, None) is None:
             (self.decode if worker.role == "decode" else self.prefill).pop(worker_id)
+        if self.lent and not self.prefill:  # the last worker that prefilled is gone: all prefill again
+            for lent in list(self.lent):
+                self.take_back(lent)
         self.roles[worker.role] -= 1
         self.decode_capacity -= kv_share(worker)
         slot = worker.slot
@@ -285,6 +288,7 @@ class Fleet:
         assert self.roles == Counter(w.role for w in self.workers.values()), self.roles
         assert set(self.workers) == set(self.prefill) | set(self.decode) | set(self.lent)
         assert len(self.workers) == len(self.prefill) + len(self.decode) + len(self.lent)
+        assert self.prefill or not self.lent, "lent workers and none that prefills"
         assert self.decode_capacity == sum(kv_share(w) for w in self.workers.values())
         for worker in self.workers.values():
             slot = worker.slot

@@ -45,6 +45,10 @@ def test_a_lent_worker_leaves_the_prefill_workers_and_comes_back_in_its_place() 
     fleet.lend("c")
     assert fleet.remove("c") is not None and not fleet.lent  # a lent worker may leave
     fleet.check_invariants()
+    fleet.lend("b")
+    fleet.remove("a")  # the last one that prefilled: the lent ones prefill again
+    assert list(fleet.prefill) == ["b"] and not fleet.lent
+    fleet.check_invariants()
 
 
 def test_slow_decodes_lend_the_worker_with_most_decodes_then_wait_a_decode_before_the_next() -> None:
