@@ -7,8 +7,10 @@ nothing here does I/O, so policies are tested with a fake clock and a discrete-e
 benchmark replays whole traces through this very code.
 
 Life of a request: queued -> prefill -> awaiting_decode -> decode -> (gone).
-A request placed on a ``both`` (colocated) worker, or sent as a ``LocalTask`` to a
-decode worker, goes from prefill to decode on the same worker with no handoff.
+A request sent as a ``LocalTask`` (to a decode worker, or to a colocated ``both`` worker
+while none is lent to decoding) goes from prefill to decode on the same worker with no
+handoff; a colocated worker's ``PrefillTask`` hands its decode over to a worker lent to
+decoding (``scheduler.lending``), as a prefill worker's does to a decode worker.
 A request whose task never reached its worker (refused, or nobody listening) is queued
 again. One whose worker is lost once it had the task, in prefill or in decode, fails here
 with ``worker_lost``: only the ingress knows whether its first token reached the client, so

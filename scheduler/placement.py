@@ -7,7 +7,8 @@ budget; otherwise the configured policy chooses. Conditional disaggregation come
 first: a prompt whose uncached part on some decode worker is at most
 ``local_prefill_max_tokens`` is prefilled by that decode worker itself (no handoff).
 
-Decode: the decode worker holding the fewest KV tokens against its capacity.
+Decode: the decode worker holding the fewest KV tokens against its capacity; on a
+colocated fleet, the lent worker decoding fewest (``lending.pick_decode``).
 
 Given the core's ``Fleet`` (not a list of workers), both are decided from its arrays by
 slot where that gives the very same answer: the decode pick always, and a prefill policy
