@@ -13,10 +13,11 @@ decoding when decodes run slow, one at a time: a lent worker takes no new prompt
 ones (a ``PrefillTask``: prefill, then KV handoff) instead of decoding it themselves (a
 ``LocalTask``). A worker is lent when the decodes finishing lately ran slower than
 ``_SLOW`` of the SLO: the colocated ones while none is lent, the lent ones once some are.
-One is taken back when the lent workers decode well within the SLO (``_QUICK``) while
-requests wait late for prefill capacity. Each change waits for a decode's length (the
-core's learned decode duration) before the next, so the decodes it measures ran under
-it. At least one worker always prefills.
+Not while the decodes are still within the SLO and requests wait late for prefill
+capacity: then the prefill side needs its workers more. One is taken back when the lent
+workers decode well within the SLO (``_QUICK``) while requests wait late for prefill.
+Each change waits for a decode's length (the core's learned decode duration) before the
+next, so the decodes it measures ran under it. At least one worker always prefills.
 
 The time per output token of a finished decode is its decode time over its tokens after
 the first, as the core sees it (from its placement to its ``RequestFinished``): a
@@ -58,7 +59,11 @@ class Lending:
         if self.slo_s <= 0 or now - self._changed_at < settle_s:
             return None
         lent = bool(fleet.lent)
-        if self._seen[lent] and self.tpot[lent] > _SLOW * self.slo_s and len(fleet.prefill) > 1:
+        tpot = self.tpot[lent]
+        # Slow decodes lend a worker; if they are still within the SLO while requests wait
+        # late for prefill, the prefill side needs its workers more, and none is lent.
+        slow = self._seen[lent] and tpot > _SLOW * self.slo_s
+        if slow and len(fleet.prefill) > 1 and (tpot > self.slo_s or not prefill_short()):
             worker = _to_lend(fleet)
             if worker is not None:
                 fleet.lend(worker.worker_id)

@@ -71,6 +71,17 @@ def test_slow_decodes_lend_the_worker_with_most_decodes_then_wait_a_decode_befor
     assert list(fleet.prefill) == ["d"] and lending.lent_total == 3
 
 
+def test_while_prefill_is_short_only_decodes_past_the_slo_lend_a_worker() -> None:
+    fleet = colocated_fleet(both("a"), both("b", held=2), both("c"))
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    short = lambda: True  # noqa: E731
+    lending.observe(False, SLOW)  # slow, but within the SLO: prefill needs the workers more
+    assert lending.decide(fleet, short, 10.0, now=0.0) is None and not fleet.lent
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    lending.observe(False, 1.5 * TPOT_SLO)  # past it: decodes miss whatever prefill does
+    assert lending.decide(fleet, short, 10.0, now=0.0) == "b"
+
+
 def test_quick_lent_decodes_give_a_worker_back_only_while_prefill_is_short() -> None:
     fleet = colocated_fleet(both("a"), both("b", held=2), both("c", held=1))
     fleet.lend("b")
