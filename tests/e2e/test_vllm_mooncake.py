@@ -45,8 +45,9 @@ PREFIX = [random.Random(11).randrange(256, 4000) for _ in range(10 * BLOCK + 5)]
 @pytest.fixture(scope="module")
 def stack(module_nats, tmp_path_factory) -> UpStack:
     log = tmp_path_factory.mktemp("vllm") / "up.log"
-    # A stream whose decode engine is killed waits for up to restart it (an engine boots in 30-90 s).
-    extra = ["--migration-wait-s", "300", "--tool-call-parser", "hermes"]
+    # A stream whose decode engine is killed waits for up to restart it (an engine boots in 30-105 s
+    # on these machines): the stream's idle timeout (60 s by default) must outlast that wait too.
+    extra = ["--migration-wait-s", "300", "--stream-idle-timeout-s", "300", "--tool-call-parser", "hermes"]
     with vllm_stack(module_nats.url, log, kv_transfer="mooncake-store", extra=extra) as s:
         yield s
 
