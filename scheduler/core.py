@@ -470,12 +470,9 @@ class SchedulerCore:
             return
         tpot = (now - tracked.decode_started) / max(1, finished.generated_tokens - 1)
         self._lending.observe(tracked.worker_id in self.fleet.lent, tpot)
-        change = self._lending.decide(self.fleet, self._late_waiting, max(1.0, self._decode_s), now)
-        if change is not None:
+        late_waiting = lambda: self._queue.late_tokens > 0  # noqa: E731 (the queue keeps the count)
+        if self._lending.decide(self.fleet, late_waiting, max(1.0, self._decode_s), now) is not None:
             self._capacity_changed()
-
-    def _late_waiting(self) -> bool:
-        return any(self.requests[r].late for r in self._queue.request_ids())
 
     def _overloaded(self, rid: str, why: str) -> Rejected:
         wait = max(1.0, math.ceil(self.predicted_wait_s()))

@@ -44,7 +44,7 @@ class Lending:
         self.tpot = {True: 0.0, False: 0.0}  # by lent or not: the decodes' recent TPOT
         self._seen = {True: False, False: False}
         self._changed_at = -math.inf
-        self.lent_total = 0  # lendings so far, and takings back: counters for the bench
+        self.lent_total = 0  # lendings so far, and takings back
         self.taken_back = 0
 
     def observe(self, lent: bool, tpot_s: float) -> None:

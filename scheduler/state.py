@@ -216,8 +216,10 @@ class Fleet:
 
     def take_back(self, worker_id: str) -> None:
         """A lent worker prefills again."""
-        self.prefill[worker_id] = self.lent.pop(worker_id)
-        self.prefill = {w: self.workers[w] for w in self.workers if w in self.prefill}  # join order
+        self.lent.pop(worker_id)
+        back = {w: worker for w, worker in self.workers.items() if w in self.prefill or w == worker_id}
+        self.prefill.clear()  # in place, in the order they joined
+        self.prefill.update(back)
         self.version += 1
 
     def mirror(self, worker: WorkerState, name: str, value: Any) -> None:
