@@ -186,6 +186,9 @@ class Fleet:
         for name, value in self._row(worker).items():
             getattr(self, name)[slot] = value
         worker.fleet = self
+        if self.lent and worker.role != "both":  # lending is for a pure colocated fleet only
+            for lent in list(self.lent):
+                self.take_back(lent)
         self.version += 1
 
     def remove(self, worker_id: str) -> WorkerState | None:
@@ -291,6 +294,7 @@ class Fleet:
         assert set(self.workers) == set(self.prefill) | set(self.decode) | set(self.lent)
         assert len(self.workers) == len(self.prefill) + len(self.decode) + len(self.lent)
         assert self.prefill or not self.lent, "lent workers and none that prefills"
+        assert not self.lent or set(self.roles.elements()) == {"both"}, "lent workers in a mixed fleet"
         assert self.decode_capacity == sum(kv_share(w) for w in self.workers.values())
         for worker in self.workers.values():
             slot = worker.slot

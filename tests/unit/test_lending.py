@@ -51,6 +51,18 @@ def test_a_lent_worker_leaves_the_prefill_workers_and_comes_back_in_its_place() 
     fleet.check_invariants()
 
 
+def test_a_worker_of_another_role_joining_takes_every_lent_worker_back() -> None:
+    # Lending is for a fleet of colocated workers only: once a prefill or decode worker
+    # joins, the core no longer lends (``_lend``), so nothing may stay lent either.
+    for role in ("prefill", "decode"):
+        fleet = colocated_fleet(both("a"), both("b"), both("c"))
+        fleet.lend("b")
+        fleet.lend("c")
+        fleet.add(WorkerState("x", role, token_budget=100_000, block_size=16, last_seen=0.0))  # type: ignore[arg-type]
+        assert not fleet.lent and set(fleet.prefill) >= {"a", "b", "c"}, role
+        fleet.check_invariants()
+
+
 def test_slow_decodes_lend_the_worker_with_most_decodes_then_wait_a_decode_before_the_next() -> None:
     fleet = colocated_fleet(both("a", held=1), both("b", held=3, load=500), both("c", held=3), both("d"))
     lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
