@@ -122,6 +122,7 @@ _BUSY_SPARE = 0.7
 _BUSY_SPARE_DECODING = 0.4
 _RATE_MIN_TOKENS = 2048  # a prediction of fewer tokens than this is mostly fixed costs
 _RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sample
+_OWN_RATE_WEIGHT = 0.02  # ...and of a worker's own factor over its role's rate (``Fleet.learn_rate``)
 
 
 class SchedulerCore:
@@ -810,7 +811,10 @@ class SchedulerCore:
             if computed <= 0 or done.usage.prefill_s <= 0:
                 return
             sample = computed / done.usage.prefill_s
-        worker.prefill_rate = (1 - _RATE_WEIGHT) * worker.prefill_rate + _RATE_WEIGHT * sample
+        if worker.fleet is None:
+            worker.prefill_rate = (1 - _RATE_WEIGHT) * worker.prefill_rate + _RATE_WEIGHT * sample
+        else:
+            worker.fleet.learn_rate(worker, sample, _RATE_WEIGHT, _OWN_RATE_WEIGHT)
 
     # --- decode ---------------------------------------------------------------------
 
@@ -861,7 +865,7 @@ class SchedulerCore:
                 token_budget=report.token_budget,
                 block_size=report.block_size,
                 last_seen=now,
-                prefill_rate=self.config.default_prefill_tokens_per_s,
+                own_rate=self.config.default_prefill_tokens_per_s,
             )
             self._capacity_changed()
             self.fleet.add(worker)

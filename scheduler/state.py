@@ -40,7 +40,9 @@ class WorkerState:
     last_seq: int = -1
     assigned: dict[str, int] = field(default_factory=dict)  # request_id -> tokens
     load_tokens: int = 0
-    prefill_rate: float = 8_000.0  # uncached tokens/s it computes, learned from its results
+    # Uncached tokens/s it computes: ``prefill_rate``. Out of a fleet this is it; in one, its
+    # role's shared rate times its own factor (``Fleet.learn_rate``), and this what it left with.
+    own_rate: float = 8_000.0
     # A colocated ("both") worker's second ledger: KV tokens of the sequences it decodes,
     # against its KV capacity, apart from the prefill tokens its budget bounds.
     kv_capacity: int = 0
@@ -55,6 +57,19 @@ class WorkerState:
         if fleet is not None and name in _MIRRORED:
             fleet.mirror(self, name, value)
         object.__setattr__(self, name, value)
+
+    @property
+    def prefill_rate(self) -> float:
+        fleet = self.__dict__.get("fleet")
+        return self.own_rate if fleet is None else float(fleet.rate[self.slot])
+
+    @prefill_rate.setter
+    def prefill_rate(self, value: float) -> None:
+        fleet = self.__dict__.get("fleet")
+        if fleet is None:
+            self.own_rate = value
+        else:
+            fleet.set_rate(self, value)
 
     def assign(self, request_id: str, tokens: int) -> None:
         assert request_id not in self.assigned, request_id
@@ -113,14 +128,15 @@ class Tracked:
 # stands for ``len(assigned)`` and ``kv_tokens`` for ``len(held)``: every change to
 # ``assigned`` or ``held`` (``assign``, ``hold``, ``release``) is followed by setting those,
 # even to the same value.
-_MIRRORED = frozenset({"load_tokens", "kv_tokens", "prefill_rate", "token_budget", "kv_capacity", "last_seen", "role"})
+_MIRRORED = frozenset({"load_tokens", "kv_tokens", "token_budget", "kv_capacity", "last_seen", "role"})
 # The arrays, and what a free slot reads.
 _ARRAYS = {
     "load": 0.0,  # load_tokens (float64: exact for any ledger, < 2**53 tokens)
     "running": 0.0,  # len(assigned)
     "kv": 0.0,  # kv_tokens
     "holding": 0.0,  # len(held)
-    "rate": 1.0,  # prefill_rate
+    "rate": 1.0,  # prefill_rate: the role's shared rate times "factor"
+    "factor": 1.0,  # the worker's own prefill rate over its role's shared rate
     "budget": 0.0,  # token_budget
     "kv_cap": 0.0,  # kv_capacity
     "colocated": 0.0,  # 1.0 for role "both"
@@ -147,6 +163,7 @@ class Fleet:
     kv: npt.NDArray[np.float64]
     holding: npt.NDArray[np.float64]
     rate: npt.NDArray[np.float64]
+    factor: npt.NDArray[np.float64]
     budget: npt.NDArray[np.float64]
     kv_cap: npt.NDArray[np.float64]
     colocated: npt.NDArray[np.float64]
@@ -160,6 +177,10 @@ class Fleet:
         # placed on them; decodes handed over from the others go to them.
         self.lent: dict[str, WorkerState] = {}
         self.roles: Counter[str] = Counter()
+        # Prefill rates (``learn_rate``): per role, the rate its workers share, and the sum of
+        # their raw factors (``factor``): a worker's rate is its raw factor over the mean.
+        self.shared_rate: dict[str, float] = {}
+        self._factor_sum: dict[str, float] = {}
         self.decode_capacity = 0
         self.ids: list[str | None] = []  # slot -> worker id
         for name in _ARRAYS:
@@ -167,6 +188,8 @@ class Fleet:
         self.version = 0  # bumped when a worker joins or leaves
         self._slots: dict[str, npt.NDArray[np.intp]] = {}  # role group -> slots, of this version
         self._slots_version = -1
+        self._role_slots: dict[str, slice | npt.NDArray[np.intp]] = {}  # role -> slots, of this version
+        self._role_slots_version = -1
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -185,6 +208,16 @@ class Fleet:
         worker.slot = slot
         for name, value in self._row(worker).items():
             getattr(self, name)[slot] = value
+        # A worker joins at the rate its role's workers share (it is assumed one of them
+        # until its own results say otherwise); the first of a role sets it. Its raw factor
+        # is the role's mean, which leaves the others' rates as they were.
+        role = worker.role
+        if role not in self.shared_rate:
+            self.shared_rate[role], self._factor_sum[role], factor = worker.own_rate, 0.0, 1.0
+        else:
+            factor = self._factor_sum[role] / (self.roles[role] - 1)
+        self._factor_sum[role] += factor
+        self.factor[slot], self.rate[slot] = factor, self.shared_rate[role]
         worker.fleet = self
         if self.lent and worker.role != "both":  # lending is for a pure colocated fleet only
             for lent in list(self.lent):
@@ -200,9 +233,16 @@ class Fleet:
         if self.lent and not self.prefill:  # the last worker that prefilled is gone: all prefill again
             for lent in list(self.lent):
                 self.take_back(lent)
-        self.roles[worker.role] -= 1
         self.decode_capacity -= kv_share(worker)
-        slot = worker.slot
+        slot, role = worker.slot, worker.role
+        worker.own_rate = float(self.rate[slot])  # what it leaves with
+        scale = self._rate_scale(role)
+        self.roles[role] -= 1
+        if not self.roles[role]:
+            del self.shared_rate[role], self._factor_sum[role]
+        else:  # the others' rates as they were: the same scale over the factors left
+            self._factor_sum[role] -= self.factor[slot]
+            self.shared_rate[role] = scale * self._factor_sum[role] / self.roles[role]
         worker.fleet, worker.slot = None, -1
         self.ids[slot] = None
         for name, free in _ARRAYS.items():
@@ -232,8 +272,6 @@ class Fleet:
             self.load[slot], self.running[slot] = value, len(worker.assigned)
         elif name == "kv_tokens":
             self.kv[slot], self.holding[slot] = value, len(worker.held)
-        elif name == "prefill_rate":
-            self.rate[slot] = value
         elif name == "last_seen":
             self.last_seen[slot] = value
         elif name == "role":
@@ -243,6 +281,59 @@ class Fleet:
             object.__setattr__(worker, name, value)
             self.decode_capacity += kv_share(worker)
             (self.budget if name == "token_budget" else self.kv_cap)[slot] = value
+
+    def set_rate(self, worker: WorkerState, rate: float) -> None:
+        """Set one worker's prefill rate (its raw factor), leaving the others' as they are."""
+        role, slot = worker.role, worker.slot
+        scale = self._rate_scale(role)
+        factor = rate / scale
+        self._factor_sum[role] += factor - self.factor[slot]
+        self.factor[slot], self.rate[slot] = factor, rate
+        self.shared_rate[role] = scale * self._factor_sum[role] / self.roles[role]  # the same scale
+
+    def learn_rate(self, worker: WorkerState, sample: float, weight: float, own_weight: float) -> None:
+        """A prefill rate measured on ``worker``. Identical workers measure one rate, each
+        sample with its noise: learnt per worker, that noise alone made their rates differ,
+        and placement followed it (the faster-looking worker took more, and its queue
+        grew). So a worker's rate is its role's shared rate, learnt from every worker's
+        samples (``weight``), times its own factor, learnt slowly (``own_weight``) from how
+        its samples compare with the shared rate. Factors are kept raw, each worker's
+        relative one being its raw factor over the role's mean (so they average 1): one
+        sample changes one factor and the scale, and the rates are one vector product. On
+        a fleet of unlike GPUs the factors come to say which is faster; with one worker,
+        the rate is its own, learnt at ``weight``."""
+        role, slot = worker.role, worker.slot
+        mean = self._factor_sum[role] / self.roles[role]
+        relative = self.factor[slot] / mean
+        shared = (1 - weight) * self.shared_rate[role] + weight * sample / relative
+        relative = (1 - own_weight) * relative + own_weight * sample / shared
+        self._factor_sum[role] += relative * mean - self.factor[slot]
+        self.factor[slot] = relative * mean
+        self.shared_rate[role] = shared
+        slots, scale = self._slots_of_role(role), self._rate_scale(role)
+        if isinstance(slots, slice):
+            np.multiply(self.factor[slots], scale, out=self.rate[slots])
+        else:
+            self.rate[slots] = self.factor[slots] * scale
+
+    def _rate_scale(self, role: str) -> float:
+        """A worker's prefill rate over its raw factor, for workers of ``role``."""
+        return self.shared_rate[role] * self.roles[role] / self._factor_sum[role]
+
+    def _slots_of_role(self, role: str) -> slice | npt.NDArray[np.intp]:
+        """The slots of ``role``'s workers: a slice where they are contiguous (a view, so the
+        rates are written in place), else an index array."""
+        if self._role_slots_version != self.version:
+            by_role: dict[str, list[int]] = {}
+            for w in self.workers.values():
+                by_role.setdefault(w.role, []).append(w.slot)
+            self._role_slots = {}
+            for r, taken in by_role.items():
+                taken.sort()
+                contiguous = taken[-1] - taken[0] + 1 == len(taken)
+                self._role_slots[r] = slice(taken[0], taken[-1] + 1) if contiguous else np.array(taken, dtype=np.intp)
+            self._role_slots_version = self.version
+        return self._role_slots[role]
 
     def slots(self, group: str) -> npt.NDArray[np.intp]:
         """The slots of the ``prefill`` or ``decode`` workers, in slot order."""
@@ -296,6 +387,14 @@ class Fleet:
         assert self.prefill or not self.lent, "lent workers and none that prefills"
         assert not self.lent or set(self.roles.elements()) == {"both"}, "lent workers in a mixed fleet"
         assert self.decode_capacity == sum(kv_share(w) for w in self.workers.values())
+        assert set(self.shared_rate) == set(self.roles.elements()), self.shared_rate
+        for role, n in self.roles.items():
+            if n:
+                factors = [self.factor[w.slot] for w in self.workers.values() if w.role == role]
+                assert math.isclose(self._factor_sum[role], sum(factors), rel_tol=1e-9), role
+        for worker in self.workers.values():
+            rate, factor = self.rate[worker.slot], self.factor[worker.slot]
+            assert math.isclose(rate, self._rate_scale(worker.role) * factor, rel_tol=1e-9), worker.worker_id
         for worker in self.workers.values():
             slot = worker.slot
             assert worker.fleet is self and self.ids[slot] == worker.worker_id, worker.worker_id

@@ -42,7 +42,10 @@ def test_counters_and_arrays_follow_every_change() -> None:
                 worker.release(rng.choice(sorted(worker.assigned)))
             else:
                 worker.assign(f"r{step}", rng.choice([0, 1, 500]))
-            worker.prefill_rate = rng.choice([4_000.0, 8_000.0])
+            if rng.random() < 0.5:
+                worker.prefill_rate = rng.choice([4_000.0, 8_000.0])
+            else:
+                fleet.learn_rate(worker, rng.choice([3_000.0, 9_000.0]), 0.2, 0.02)
             worker.token_budget = rng.choice([2_000, 5_000])
             worker.kv_capacity = rng.choice([0, 4_000])
             worker.last_seen = float(step)
@@ -53,6 +56,75 @@ def test_counters_and_arrays_follow_every_change() -> None:
     assert gone is not None and gone.fleet is None
     gone.load_tokens = 12  # no longer mirrored anywhere
     fleet.check_invariants()
+
+
+def prefill_fleet(n: int, first_rate: float = 8_000.0) -> Fleet:
+    fleet = Fleet()
+    for i in range(n):
+        worker = WorkerState(f"p{i}", "prefill", token_budget=10_000, block_size=BLOCK_SIZE, last_seen=0.0)
+        worker.prefill_rate = first_rate if i == 0 else 1.0  # only the first of a role sets the rate
+        fleet.add(worker)
+    return fleet
+
+
+def rates(fleet: Fleet) -> list[float]:
+    return [w.prefill_rate for w in fleet.workers.values()]
+
+
+def test_a_new_worker_joins_at_its_roles_rate_and_leaves_the_others_as_they_were() -> None:
+    fleet = prefill_fleet(3)
+    assert rates(fleet) == [8_000.0] * 3  # not the 1.0 the others came with
+    fleet.learn_rate(fleet.workers["p1"], 4_000.0, 0.2, 0.02)
+    before = rates(fleet)
+    fleet.add(WorkerState("p3", "prefill", token_budget=10_000, block_size=BLOCK_SIZE, last_seen=0.0))
+    assert rates(fleet)[:3] == pytest.approx(before) and fleet.workers["p3"].prefill_rate == pytest.approx(
+        fleet.shared_rate["prefill"]
+    )
+    fleet.workers["p0"].prefill_rate = 20_000.0  # set: that worker's alone
+    assert rates(fleet) == pytest.approx([20_000.0, *before[1:], fleet.workers["p3"].prefill_rate])
+    left = rates(fleet)
+    gone = fleet.remove("p0")
+    assert gone is not None and gone.prefill_rate == 20_000.0  # what it leaves with
+    assert rates(fleet) == pytest.approx(left[1:])
+    fleet.check_invariants()
+
+
+def test_identical_workers_share_one_rate_whatever_each_ones_noise() -> None:
+    # Six workers with one true rate, each sample +-30 %: learnt per worker (the old rule,
+    # an EWMA of 0.2), their rates spread by the noise, and placement followed the spread;
+    # pooled, they stay far closer together.
+    rng, fleet = random.Random(3), prefill_fleet(6)
+    alone = dict.fromkeys(fleet.workers, 8_000.0)
+    spread = {"pooled": 0.0, "alone": 0.0}
+    for step in range(3_000):
+        wid = rng.choice(sorted(fleet.workers))
+        sample = 10_000.0 * rng.uniform(0.7, 1.3)
+        fleet.learn_rate(fleet.workers[wid], sample, 0.2, 0.02)
+        alone[wid] = 0.8 * alone[wid] + 0.2 * sample
+        if step >= 1_000:
+            spread["pooled"] += max(rates(fleet)) / min(rates(fleet)) - 1
+            spread["alone"] += max(alone.values()) / min(alone.values()) - 1
+    assert spread["pooled"] < spread["alone"] / 3, spread
+    assert sum(rates(fleet)) / 6 == pytest.approx(10_000.0, rel=0.1)
+    fleet.check_invariants()
+
+
+def test_a_slower_worker_comes_to_a_rate_of_its_own() -> None:
+    rng, fleet = random.Random(5), prefill_fleet(4)
+    for _ in range(4_000):
+        wid = rng.choice(sorted(fleet.workers))
+        true = 5_000.0 if wid == "p2" else 10_000.0  # an older GPU: half as fast
+        fleet.learn_rate(fleet.workers[wid], true * rng.uniform(0.9, 1.1), 0.2, 0.02)
+    got = dict(zip(fleet.workers, rates(fleet), strict=True))
+    assert got["p2"] == pytest.approx(5_000.0, rel=0.15)
+    assert all(got[w] == pytest.approx(10_000.0, rel=0.15) for w in ("p0", "p1", "p3"))
+    fleet.check_invariants()
+
+
+def test_with_one_worker_its_rate_is_its_own_ewma() -> None:
+    fleet = prefill_fleet(1)
+    fleet.learn_rate(fleet.workers["p0"], 4_000.0, 0.2, 0.02)
+    assert fleet.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * 4_000)
 
 
 def test_expired_workers_come_in_join_order() -> None:

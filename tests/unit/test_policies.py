@@ -20,7 +20,7 @@ from tests.support.factories import load_report, make_spec, prefill_done, reques
 def worker(
     wid: str, load: int = 0, requests: int = 0, rate: float = 10_000.0, budget: int = 100_000, role: Role = "prefill"
 ) -> WorkerState:
-    w = WorkerState(worker_id=wid, role=role, token_budget=budget, block_size=16, last_seen=0.0, prefill_rate=rate)
+    w = WorkerState(worker_id=wid, role=role, token_budget=budget, block_size=16, last_seen=0.0, own_rate=rate)
     per = load // max(1, requests)
     for i in range(requests):
         w.assign(f"{wid}-r{i}", per if i < requests - 1 else load - per * (requests - 1))

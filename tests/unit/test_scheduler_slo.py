@@ -310,7 +310,7 @@ def test_an_overdue_late_request_takes_a_worker_with_nothing_to_do_instead_of_be
         assert placed(actions) == {}
         actions = h.tick(1.0)
         assert not [x for x in actions if isinstance(x, FailStream)]
-    assert placed(actions) == {"late": "c2"}
+    assert placed(actions) in ({"late": "c2"}, {"late": "c3"})  # one of the two with nothing to do
 
 
 def test_a_head_over_every_budget_that_misses_the_slo_anyway_waits_behind_those_on_time() -> None:
