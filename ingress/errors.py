@@ -155,9 +155,10 @@ class Shed(GenerationFailed):
 _BY_CODE: dict[str, type[GenerationFailed]] = {"deadline_exceeded": DeadlineExceeded, "overloaded": Shed}
 
 
-def generation_error(code: str, message: str) -> GenerationFailed:
-    """The HTTP error for a stream that failed with ``code``."""
-    return _BY_CODE.get(code, GenerationFailed)(message, code=code)
+def generation_error(code: str, message: str, retry_after_s: float | None = None) -> GenerationFailed:
+    """The HTTP error for a stream that failed with ``code`` (``retry_after_s``: its
+    Retry-After, where the scheduler named one)."""
+    return _BY_CODE.get(code, GenerationFailed)(message, code=code, retry_after_s=retry_after_s)
 
 
 def internal_error() -> ApiError:

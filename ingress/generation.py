@@ -339,7 +339,7 @@ class Generation:
         except StreamFailed as exc:
             self.outcome = "error"
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
-            await _send_json(send, generation_error(exc.error.code, exc.error.message))
+            await _send_json(send, generation_error(exc.error.code, exc.error.message, exc.error.retry_after_s))
             return
         self.outcome = "ok"
         asked = self.token_text is not None  # joined only when the request asked for them
@@ -397,7 +397,7 @@ class Generation:
         except StreamFailed as exc:
             self.outcome = "error"
             self.span.set_status(Status(StatusCode.ERROR, exc.error.message))
-            error = generation_error(exc.error.code, exc.error.message)
+            error = generation_error(exc.error.code, exc.error.message, exc.error.retry_after_s)
             if not self.response_started:  # nothing sent: answered as a non-streaming request is
                 await _send_json(send, error)
                 return

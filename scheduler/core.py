@@ -476,7 +476,7 @@ class SchedulerCore:
             self._capacity_changed()
 
     def _overloaded(self, rid: str, why: str) -> Rejected:
-        wait = max(1.0, math.ceil(self.predicted_wait_s()))
+        wait = self._retry_after_s()
         return Rejected(
             request_id=rid, reason="overloaded", retry_after_s=wait, message=f"{why}; retry in about {wait:.0f} s"
         )
@@ -665,16 +665,25 @@ class SchedulerCore:
             return []
         slo = self.config.ttft_slo_s
         wait = _LATE_WAIT_SLOS * slo
+        shed = [self.requests[rid] for rid in overdue]
+        for tracked in shed:
+            self._forget(tracked.spec.request_id)
+        retry_after_s = self._retry_after_s()  # what is left once they are gone
         actions: list[Action] = []
-        for rid in overdue:
-            tracked = self.requests[rid]
-            self._forget(rid)
+        for tracked in shed:
+            rid = tracked.spec.request_id
             message = (
                 f"request {rid} was shed: overloaded, it could not meet the {slo:g} s time to first token "
                 f"and no capacity came free for it in {wait:g} s"
             )
-            actions.append(FailStream(tracked.spec.ingress_id, rid, StreamError(code="overloaded", message=message)))
+            error = StreamError(code="overloaded", message=message, retry_after_s=retry_after_s)
+            actions.append(FailStream(tracked.spec.ingress_id, rid, error))
         return actions
+
+    def _retry_after_s(self) -> float:
+        """When an overloaded request may try again: once the prefill fleet has worked off
+        what it has now (at least a second), as an admission refusal says."""
+        return max(1.0, math.ceil(self.predicted_wait_s()))
 
     def _over_every_budget(self, tracked: Tracked) -> bool:
         capable = self.fleet.prefill.values()

@@ -405,8 +405,9 @@ class Cancel(_Wire, frozen=True):
 
 
 class StreamError(_Wire, frozen=True):
-    code: str  # "worker_lost", "prefill_failed", "internal"
+    code: str  # "worker_lost", "prefill_failed", "overloaded", "deadline_exceeded", "internal"
     message: str
+    retry_after_s: float | None = None  # "overloaded": when a retry may find room (HTTP Retry-After)
 
 
 class StreamChunk(_Wire, frozen=True):

@@ -7,8 +7,8 @@ Two ways, two answers:
   two SLOs and its stream fails with ``overloaded``. That is a 429 ``rate_limit_error``
   (``ingress.errors.Shed``) saying why, streaming or not: a stream's response starts with its
   first token (``ingress.generation``), so a shed before it is answered as a plain request is,
-  and the client sees ``RateLimitError`` at ``create()`` (its own retry on 429 applies). The
-  scheduler names no wait, so there is no Retry-After.
+  and the client sees ``RateLimitError`` at ``create()`` (its own retry on 429 applies). Its
+  Retry-After is the scheduler's predicted wait, as for an admission refusal.
 - *Refused up front* (the core's decode-side refusal): a prefilled request waits for decode
   room, so a new one is answered 429 with a Retry-After before anything else, streaming or not.
 
@@ -113,8 +113,9 @@ def test_a_late_request_is_shed_with_429_and_a_light_one_is_served(late_stack):
         assert refused.response.headers["content-type"] == "application/json"
         assert refused.body["type"] == "rate_limit_error" and refused.code == "overloaded"
         _assert_shed_message(refused.message)
-        # The scheduler's stream error names no wait (``StreamError`` has none): no Retry-After.
-        assert "retry-after" not in refused.response.headers
+        # The scheduler names a wait, as an admission refusal does: once the prefill fleet has
+        # worked off what it has now (the blocker's rest: at least 1 s).
+        assert int(refused.response.headers["retry-after"]) >= 1
 
     # Load-dependent: with the blocker gone, the same request is served.
     assert wait_until(lambda: _queued_or_placed(late_stack) == 0)

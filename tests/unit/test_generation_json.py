@@ -30,7 +30,9 @@ def test_the_retry_after_of_an_error_is_sent():
     assert body["error"]["code"] == "overloaded"
 
 
-def test_a_shed_stream_is_a_429_without_a_wait_it_was_not_told():
-    status, headers, body = _answer(generation_error("overloaded", "was shed: overloaded"))
-    assert status == 429 and b"retry-after" not in headers
+def test_a_shed_stream_is_a_429_with_the_wait_it_was_told_and_none_it_was_not():
+    status, headers, body = _answer(generation_error("overloaded", "was shed: overloaded", 4.0))
+    assert status == 429 and headers[b"retry-after"] == b"4"
     assert body["error"]["type"] == "rate_limit_error"
+    status, headers, _ = _answer(generation_error("overloaded", "was shed: overloaded"))
+    assert status == 429 and b"retry-after" not in headers

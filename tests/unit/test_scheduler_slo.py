@@ -94,6 +94,7 @@ def test_a_late_request_with_no_slack_in_two_slos_is_shed_with_a_clear_error() -
     assert [(x.request_id, x.error.code) for x in shed] == [("b", "overloaded")]
     assert "could not meet the 2 s time to first token" in shed[0].error.message
     assert "b" not in h.core.requests and "a" in h.core.requests
+    assert shed[0].error.retry_after_s == 2.0  # a's 12,000 tokens left at 8,000 tokens/s: 1.5 s, rounded up
 
 
 def test_late_requests_do_not_count_against_the_queue_limit() -> None:
