@@ -40,8 +40,8 @@ class WorkerState:
     last_seq: int = -1
     assigned: dict[str, int] = field(default_factory=dict)  # request_id -> tokens
     load_tokens: int = 0
-    # Uncached tokens/s it computes: ``prefill_rate``. Out of a fleet this is it; in one, its
-    # role's shared rate times its own factor (``Fleet.learn_rate``), and this what it left with.
+    # Uncached tokens/s it computes is ``prefill_rate``: out of a fleet this field; in one,
+    # its role's shared rate times its own factor (``Fleet.learn_rate``), kept here when it leaves.
     own_rate: float = 8_000.0
     # A colocated ("both") worker's second ledger: KV tokens of the sequences it decodes,
     # against its KV capacity, apart from the prefill tokens its budget bounds.
@@ -135,8 +135,8 @@ _ARRAYS = {
     "running": 0.0,  # len(assigned)
     "kv": 0.0,  # kv_tokens
     "holding": 0.0,  # len(held)
-    "rate": 1.0,  # prefill_rate: the role's shared rate times "factor"
-    "factor": 1.0,  # the worker's own prefill rate over its role's shared rate
+    "rate": 1.0,  # prefill_rate: its role's shared rate times its factor ("factor" over their mean)
+    "factor": 1.0,  # raw: over the mean of its role's, how much faster it is than their shared rate
     "budget": 0.0,  # token_budget
     "kv_cap": 0.0,  # kv_capacity
     "colocated": 0.0,  # 1.0 for role "both"
@@ -310,7 +310,11 @@ class Fleet:
         self._factor_sum[role] += relative * mean - self.factor[slot]
         self.factor[slot] = relative * mean
         self.shared_rate[role] = shared
-        slots, scale = self._slots_of_role(role), self._rate_scale(role)
+        slots = self._slots_of_role(role)
+        if not 0.5 < mean < 2.0:  # raw factors drift together: bring them back (the rates stay)
+            self.factor[slots] /= mean
+            self._factor_sum[role] /= mean
+        scale = self._rate_scale(role)
         if isinstance(slots, slice):
             np.multiply(self.factor[slots], scale, out=self.rate[slots])
         else:

@@ -121,6 +121,19 @@ def test_a_slower_worker_comes_to_a_rate_of_its_own() -> None:
     fleet.check_invariants()
 
 
+def test_raw_factors_that_drifted_together_are_brought_back_and_the_rates_stay() -> None:
+    fleet = prefill_fleet(3)
+    fleet.learn_rate(fleet.workers["p1"], 4_000.0, 0.2, 0.02)
+    fleet.factor[:3] *= 10.0  # as a long run could drift them: the same rates, other raw factors
+    fleet._factor_sum["prefill"] *= 10.0
+    fleet.check_invariants()
+    before = rates(fleet)
+    fleet.learn_rate(fleet.workers["p0"], before[0], 0.2, 0.02)  # a sample of the very rate: no change
+    assert rates(fleet) == pytest.approx(before)
+    assert fleet._factor_sum["prefill"] / 3 == pytest.approx(1.0, rel=0.05)
+    fleet.check_invariants()
+
+
 def test_with_one_worker_its_rate_is_its_own_ewma() -> None:
     fleet = prefill_fleet(1)
     fleet.learn_rate(fleet.workers["p0"], 4_000.0, 0.2, 0.02)
