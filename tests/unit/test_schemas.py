@@ -206,7 +206,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
                     token_ids=[1, 2],
                     finish_reason="length",
                     usage=USAGE,
-                    error=m.StreamError(code="worker_lost", message="gone"),
+                    error=m.StreamError(code="overloaded", message="shed", retry_after_s=3.0),
                     assigned="d-2",
                     index=2,
                     logprobs=[
