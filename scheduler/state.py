@@ -186,10 +186,10 @@ class Fleet:
         for name in _ARRAYS:
             setattr(self, name, np.zeros(0))
         self.version = 0  # bumped when a worker joins or leaves
-        self._slots: dict[str, npt.NDArray[np.intp]] = {}  # role group -> slots, of this version
+        # Of this version (``_index_slots``): the prefill and decode groups' slots, and each role's.
+        self._slots: dict[str, npt.NDArray[np.intp]] = {}
+        self._role_slots: dict[str, slice | npt.NDArray[np.intp]] = {}
         self._slots_version = -1
-        self._role_slots: dict[str, slice | npt.NDArray[np.intp]] = {}  # role -> slots, of this version
-        self._role_slots_version = -1
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -327,29 +327,32 @@ class Fleet:
     def _slots_of_role(self, role: str) -> slice | npt.NDArray[np.intp]:
         """The slots of ``role``'s workers: a slice where they are contiguous (a view, so the
         rates are written in place), else an index array."""
-        if self._role_slots_version != self.version:
-            by_role: dict[str, list[int]] = {}
-            for w in self.workers.values():
-                by_role.setdefault(w.role, []).append(w.slot)
-            self._role_slots = {}
-            for r, taken in by_role.items():
-                taken.sort()
-                contiguous = taken[-1] - taken[0] + 1 == len(taken)
-                self._role_slots[r] = slice(taken[0], taken[-1] + 1) if contiguous else np.array(taken, dtype=np.intp)
-            self._role_slots_version = self.version
+        self._index_slots()
         return self._role_slots[role]
 
     def slots(self, group: str) -> npt.NDArray[np.intp]:
         """The slots of the ``prefill`` or ``decode`` workers, in slot order."""
-        if self._slots_version != self.version:
-            prefill = [w.slot for w in self.prefill.values()]
-            decode = [w.slot for w in self.decode.values()]
-            self._slots = {
-                "prefill": np.sort(np.array(prefill, dtype=np.intp)),
-                "decode": np.sort(np.array(decode, dtype=np.intp)),
-            }
-            self._slots_version = self.version
+        self._index_slots()
         return self._slots[group]
+
+    def _index_slots(self) -> None:
+        if self._slots_version == self.version:
+            return
+        prefill = [w.slot for w in self.prefill.values()]
+        decode = [w.slot for w in self.decode.values()]
+        self._slots = {
+            "prefill": np.sort(np.array(prefill, dtype=np.intp)),
+            "decode": np.sort(np.array(decode, dtype=np.intp)),
+        }
+        by_role: dict[str, list[int]] = {}
+        for w in self.workers.values():
+            by_role.setdefault(w.role, []).append(w.slot)
+        self._role_slots = {}
+        for role, taken in by_role.items():
+            taken.sort()
+            contiguous = taken[-1] - taken[0] + 1 == len(taken)
+            self._role_slots[role] = slice(taken[0], taken[-1] + 1) if contiguous else np.array(taken, dtype=np.intp)
+        self._slots_version = self.version
 
     def expired(self, now: float, expiry_s: float) -> list[WorkerState]:
         """Workers last seen more than ``expiry_s`` ago, in the order they joined."""
@@ -397,11 +400,10 @@ class Fleet:
                 factors = [self.factor[w.slot] for w in self.workers.values() if w.role == role]
                 assert math.isclose(self._factor_sum[role], sum(factors), rel_tol=1e-9), role
         for worker in self.workers.values():
-            rate, factor = self.rate[worker.slot], self.factor[worker.slot]
-            assert math.isclose(rate, self._rate_scale(worker.role) * factor, rel_tol=1e-9), worker.worker_id
-        for worker in self.workers.values():
             slot = worker.slot
             assert worker.fleet is self and self.ids[slot] == worker.worker_id, worker.worker_id
+            rate = self._rate_scale(worker.role) * self.factor[slot]
+            assert math.isclose(self.rate[slot], rate, rel_tol=1e-9), worker.worker_id
             for name, value in self._row(worker).items():
                 assert getattr(self, name)[slot] == value, (worker.worker_id, name)
         for slot in (s for s, w in enumerate(self.ids) if w is None):
