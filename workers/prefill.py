@@ -92,7 +92,7 @@ class PrefillRole:
 
     async def serve(self, bus: WorkerBus) -> None:
         while True:
-            if not self._queue:
+            while not self._queue:  # a wake-up can find it empty: a cancel took the job meanwhile
                 self._wake = anyio.Event()
                 await self._wake.wait()
             await self._compute(bus, self._take_batch())

@@ -1,5 +1,6 @@
 """What a worker's heartbeat says of its engine, read through the engine protocols
-(``EngineLifecycle.boot_s``, ``CountingEngine.counters``) and the role's ``kv_fallbacks``."""
+(``EngineLifecycle.boot_s``, ``CountingEngine.counters``) and the role's ``kv_fallbacks``;
+roll calls; and a prefill role's serve loop when a cancel empties its queue."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import anyio
 import pytest
 
 from switchyard.schemas import (
     EngineStats,
     LoadReport,
     LocalTask,
+    PrefillTask,
     RequestSpec,
     Role,
     RollCall,
@@ -147,3 +150,45 @@ async def test_a_roll_call_is_answered_with_every_held_request_in_reports_that_f
     bus = _RecordingBus()
     await empty._serve_roll_calls(_OneRollCall("sched-new"), bus)  # type: ignore[arg-type]
     assert [r.held for r in bus.events if isinstance(r, LoadReport)] == [[]]  # holds nothing: says so
+
+
+@dataclass
+class _StreamingBus(_RecordingBus):
+    chunks: list = field(default_factory=list)
+
+    async def stream(self, ingress_id: str, chunks: list) -> None:
+        self.chunks.extend(chunks)
+
+    async def kv_changes(self) -> None:
+        pass
+
+
+def _prefill_task(rid: str) -> PrefillTask:
+    spec = RequestSpec(
+        request_id=rid,
+        ingress_id="i",
+        model="m",
+        prompt_tokens=[1, 2, 3],
+        block_size=16,
+        block_keys=[],
+        sampling=SamplingParams(max_tokens=3),
+    )
+    return PrefillTask(spec=spec, queued_s=0.0)
+
+
+async def test_a_prefill_job_cancelled_before_the_worker_woke_leaves_it_serving_the_next() -> None:
+    role = PrefillRole(SimEngine(SimEngineConfig(), "w"), "w", 100)
+    bus = _StreamingBus()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(role.serve, bus)  # type: ignore[arg-type]  # the outbound calls a role makes
+        await anyio.sleep(0.05)  # idle, waiting to be woken
+        assert role.offer(_prefill_task("gone"), {}) is None
+        role.cancel("gone")  # before the woken worker ran: it wakes to an empty queue
+        await anyio.sleep(0.05)
+        assert role.offer(_prefill_task("next"), {}) is None
+        with anyio.fail_after(5):
+            while not bus.events:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert [(type(e).__name__, e.request_id) for e in bus.events] == [("PrefillDone", "next")]
+    assert role.running() == 0 and role.inflight_tokens() == 0
