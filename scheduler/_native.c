@@ -387,29 +387,11 @@ done:
 
 /* --- placement --------------------------------------------------------------------- */
 
-typedef struct {
-    Py_ssize_t *slot;
-    double *need;
-    Py_ssize_t n;
-} Ties;
-
-static PyObject *ties_list(const Ties *ties) {
-    PyObject *out = PyList_New(ties->n);
-    if (!out) return NULL;
-    for (Py_ssize_t i = 0; i < ties->n; i++) {
-        PyObject *pair = Py_BuildValue("nd", ties->slot[i], ties->need[i]);
-        if (!pair) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, pair);
-    }
-    return out;
-}
-
-/* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, slots, rows, blocks, device,
- *                prompt, block_size, fetch_credit, decode_tokens, check_kv, limit, queue_weight)
- *   -> [(slot, need), ...]: the best workers, tied (the caller takes the lowest id); [] if none fits
+/* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, rank, slots, rows, blocks,
+ *                device, prompt, block_size, fetch_credit, decode_tokens, check_kv, limit,
+ *                queue_weight)
+ *   -> (slot, need) of the best worker, ties to the lowest ``rank`` (the fleet's order of
+ *      worker ids, so the lowest id); None if none fits
  *
  * ``Placer._prefill_by_slot`` with ``Switchyard.choose_slots``: over the fleet's workers at
  * ``slots`` (each one's index slot ``rows[slot]``, past ``blocks`` for a worker the index
@@ -419,40 +401,35 @@ static PyObject *ties_list(const Ties *ties) {
  * TTFT is within it, the least work among those (on a colocated worker its queue counts
  * ``queue_weight`` times, and the KV it decodes), then the quickest; else the quickest. */
 static PyObject *choose_prefill(PyObject *self, PyObject *args) {
-    PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_slots, *o_rows, *o_blocks,
-        *o_device;
+    PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_rank, *o_slots, *o_rows,
+        *o_blocks, *o_device;
     long long prompt, block_size, decode_tokens;
     double fetch_credit, limit, queue_weight;
     int check_kv;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOLLdLpdd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
-                          &o_coloc, &o_slots, &o_rows, &o_blocks, &o_device, &prompt, &block_size, &fetch_credit,
-                          &decode_tokens, &check_kv, &limit, &queue_weight))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOLLdLpdd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
+                          &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt, &block_size,
+                          &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight))
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
-    Ties ties = {NULL, NULL, 0};
     double *load, *rate, *budget, *kv, *kvcap, *holding, *coloc;
-    int64_t *slots, *rows;
+    int64_t *rank, *slots, *rows;
     int32_t *blocks, *device;
     Py_ssize_t nfleet, n, nrows, nblocks, ndevice, k;
     if (!(load = take(&b, o_load, 8, 0, &nfleet)) || !(rate = take(&b, o_rate, 8, 0, &k)) || k != nfleet ||
         !(budget = take(&b, o_budget, 8, 0, &k)) || k != nfleet || !(kv = take(&b, o_kv, 8, 0, &k)) || k != nfleet ||
         !(kvcap = take(&b, o_kvcap, 8, 0, &k)) || k != nfleet || !(holding = take(&b, o_holding, 8, 0, &k)) ||
         k != nfleet || !(coloc = take(&b, o_coloc, 8, 0, &k)) || k != nfleet ||
-        !(slots = take(&b, o_slots, 8, 0, &n)) || !(rows = take(&b, o_rows, 8, 0, &nrows)) || nrows != nfleet ||
-        !(blocks = take(&b, o_blocks, 4, 0, &nblocks)) || !(device = take(&b, o_device, 4, 0, &ndevice)) ||
-        ndevice != nblocks) {
+        !(rank = take(&b, o_rank, 8, 0, &k)) || k != nfleet || !(slots = take(&b, o_slots, 8, 0, &n)) ||
+        !(rows = take(&b, o_rows, 8, 0, &nrows)) || nrows != nfleet || !(blocks = take(&b, o_blocks, 4, 0, &nblocks)) ||
+        !(device = take(&b, o_device, 4, 0, &ndevice)) || ndevice != nblocks) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
-        goto done;
-    }
-    if (!(ties.slot = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t))) ||
-        !(ties.need = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double)))) {
-        PyErr_NoMemory();
         goto done;
     }
     int slo = limit < INFINITY; /* -inf (a late request): nothing is safe, the quickest wins */
     int any_safe = 0;
-    double best_work = INFINITY, best_pred = INFINITY;
+    double best_work = INFINITY, best_pred = INFINITY, best_need = 0.0;
+    int64_t best = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = slots[i];
         if (s < 0 || s >= nfleet) {
@@ -482,56 +459,52 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
                 any_safe = 1;
                 best_work = work;
                 best_pred = pred;
-                ties.n = 0;
-            } else if (!(work == best_work && pred == best_pred)) {
-                continue;
+            } else if (!(work == best_work && pred == best_pred && rank[s] < rank[best])) {
+                continue; /* worse, or tied with a lower id */
             }
         } else {
             if (any_safe) continue;
-            if (pred < best_pred || ties.n == 0) {
+            if (pred < best_pred || best < 0) {
                 best_pred = pred;
-                ties.n = 0;
-            } else if (pred != best_pred) {
+            } else if (!(pred == best_pred && rank[s] < rank[best])) {
                 continue;
             }
         }
-        ties.slot[ties.n] = (Py_ssize_t)s;
-        ties.need[ties.n] = need;
-        ties.n++;
+        best = s;
+        best_need = need;
     }
-    result = ties_list(&ties);
+    if (best < 0) {
+        result = Py_NewRef(Py_None);
+    } else {
+        result = Py_BuildValue("Ld", (long long)best, best_need);
+    }
 done:
     release(&b);
-    PyMem_Free(ties.slot);
-    PyMem_Free(ties.need);
     return result;
 }
 
-/* choose_decode(load, budget, running, slots, tokens) -> [slot, ...]
+/* choose_decode(load, budget, running, rank, slots, tokens) -> slot, or -1 if none fits
  *
- * ``_decode_by_slot``: among the decode workers at ``slots`` that take ``tokens``, those of
- * the least KV share of their budget, then the fewest sequences (the caller takes the
- * lowest id); [] if none fits. */
+ * ``_decode_by_slot``: among the decode workers at ``slots`` that take ``tokens``, the one of
+ * the least KV share of its budget, then the fewest sequences, then the lowest ``rank`` (the
+ * fleet's order of worker ids). */
 static PyObject *choose_decode(PyObject *self, PyObject *args) {
-    PyObject *o_load, *o_budget, *o_running, *o_slots;
+    PyObject *o_load, *o_budget, *o_running, *o_rank, *o_slots;
     long long tokens;
-    if (!PyArg_ParseTuple(args, "OOOOL", &o_load, &o_budget, &o_running, &o_slots, &tokens)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOL", &o_load, &o_budget, &o_running, &o_rank, &o_slots, &tokens)) return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
     double *load, *budget, *running;
-    int64_t *slots;
+    int64_t *rank, *slots;
     Py_ssize_t nfleet, n, k;
-    Py_ssize_t *tied = NULL, ntied = 0;
     if (!(load = take(&b, o_load, 8, 0, &nfleet)) || !(budget = take(&b, o_budget, 8, 0, &k)) || k != nfleet ||
-        !(running = take(&b, o_running, 8, 0, &k)) || k != nfleet || !(slots = take(&b, o_slots, 8, 0, &n))) {
+        !(running = take(&b, o_running, 8, 0, &k)) || k != nfleet || !(rank = take(&b, o_rank, 8, 0, &k)) ||
+        k != nfleet || !(slots = take(&b, o_slots, 8, 0, &n))) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
         goto done;
     }
-    if (!(tied = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
     double best_share = INFINITY, best_running = INFINITY;
+    int64_t best = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = slots[i];
         if (s < 0 || s >= nfleet) {
@@ -540,27 +513,17 @@ static PyObject *choose_decode(PyObject *self, PyObject *args) {
         }
         if (!(load[s] == 0.0 || load[s] + (double)tokens <= budget[s])) continue;
         double share = load[s] / (budget[s] > 1.0 ? budget[s] : 1.0);
-        if (ntied == 0 || share < best_share || (share == best_share && running[s] < best_running)) {
+        if (best < 0 || share < best_share || (share == best_share && running[s] < best_running)) {
             best_share = share;
             best_running = running[s];
-            ntied = 0;
-        } else if (!(share == best_share && running[s] == best_running)) {
+        } else if (!(share == best_share && running[s] == best_running && rank[s] < rank[best])) {
             continue;
         }
-        tied[ntied++] = (Py_ssize_t)s;
+        best = s;
     }
-    if (!(result = PyList_New(ntied))) goto done;
-    for (Py_ssize_t i = 0; i < ntied; i++) {
-        PyObject *v = PyLong_FromSsize_t(tied[i]);
-        if (!v) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, v);
-    }
+    result = PyLong_FromLongLong((long long)best);
 done:
     release(&b);
-    PyMem_Free(tied);
     return result;
 }
 

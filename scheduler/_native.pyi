@@ -62,6 +62,7 @@ def choose_prefill(
     kv_cap: Buffer,
     holding: Buffer,
     colocated: Buffer,
+    rank: Buffer,
     slots: Buffer,
     rows: Buffer,
     blocks: Buffer,
@@ -73,5 +74,5 @@ def choose_prefill(
     check_kv: bool,
     limit: float,
     queue_weight: float,
-) -> list[tuple[int, float]]: ...
-def choose_decode(load: Buffer, budget: Buffer, running: Buffer, slots: Buffer, tokens: int) -> list[int]: ...
+) -> tuple[int, float] | None: ...
+def choose_decode(load: Buffer, budget: Buffer, running: Buffer, rank: Buffer, slots: Buffer, tokens: int) -> int: ...

@@ -216,8 +216,8 @@ def _decode_by_slot(fleet: Fleet, tokens: int, native: bool = False) -> WorkerSt
     that same loop in C."""
     slots = fleet.slots("decode")
     if native:
-        tied = _native.choose_decode(fleet.load, fleet.budget, fleet.running, slots, tokens)
-        return lowest_id(fleet, tied) if tied else None
+        slot = _native.choose_decode(fleet.load, fleet.budget, fleet.running, fleet.id_rank(), slots, tokens)
+        return fleet.workers[fleet.ids[slot]] if slot >= 0 else None  # type: ignore[index]  # a taken slot
     load, budget = fleet.load[slots], fleet.budget[slots]
     fits = (load == 0) | (load + tokens <= budget)
     slots = slots[fits]

@@ -209,15 +209,15 @@ class Switchyard:
         same choice), from the index's ``match_slots`` arrays (``rows``: each fleet slot's
         index slot). The chosen worker and what its ledger takes, or None if none fits."""
         limit = _SAFE_SHARE * ttft_budget_s if ttft_budget_s < math.inf else math.inf
-        tied = _native.choose_prefill(
+        chosen = _native.choose_prefill(
             fleet.load, fleet.rate, fleet.budget, fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
-            slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size, fetch_credit,
-            request.decode_tokens, bool(fleet.roles["both"]), limit, _QUEUE_WEIGHT,
+            fleet.id_rank(), slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size,
+            fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, _QUEUE_WEIGHT,
         )  # fmt: skip
-        if not tied:
+        if chosen is None:
             return None
-        best = lowest_id(fleet, [slot for slot, _ in tied])
-        need = next(need for slot, need in tied if slot == best.slot)
+        slot, need = chosen
+        best = fleet.workers[fleet.ids[slot]]  # type: ignore[index]  # a slot of the fleet's: taken
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "cost %s on %s = (queued %d + need %d of %d) / %.0f tok/s",

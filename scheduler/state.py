@@ -190,6 +190,10 @@ class Fleet:
         self._slots: dict[str, npt.NDArray[np.intp]] = {}
         self._role_slots: dict[str, slice | npt.NDArray[np.intp]] = {}
         self._slots_version = -1
+        # Each slot's place in the order of the workers' ids (``id_rank``): the policies'
+        # tie-break as an array, for the loops in C. Redone when a worker joins or leaves.
+        self._rank = np.zeros(0, dtype=np.int64)
+        self._rank_stale = True
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -219,6 +223,7 @@ class Fleet:
         self._factor_sum[role] += factor
         self.factor[slot], self.rate[slot] = factor, self.shared_rate[role]
         worker.fleet = self
+        self._rank_stale = True
         if self.lent and worker.role != "both":  # lending is for a pure colocated fleet only
             for lent in list(self.lent):
                 self.take_back(lent)
@@ -247,6 +252,7 @@ class Fleet:
         self.ids[slot] = None
         for name, free in _ARRAYS.items():
             getattr(self, name)[slot] = free
+        self._rank_stale = True
         self.version += 1
         return worker
 
@@ -354,6 +360,16 @@ class Fleet:
             self._role_slots[role] = slice(taken[0], taken[-1] + 1) if contiguous else np.array(taken, dtype=np.intp)
         self._slots_version = self.version
 
+    def id_rank(self) -> npt.NDArray[np.int64]:
+        """By slot, the worker's place among the fleet's ids in sorted order (a free slot
+        ranks past them all): the lower rank of two is the lower id, as ``lowest_id`` picks."""
+        if self._rank_stale:
+            rank = np.full(len(self.ids), len(self.ids), dtype=np.int64)
+            taken = sorted((wid, slot) for slot, wid in enumerate(self.ids) if wid is not None)
+            rank[[slot for _, slot in taken]] = np.arange(len(taken), dtype=np.int64)
+            self._rank, self._rank_stale = rank, False
+        return self._rank
+
     def expired(self, now: float, expiry_s: float) -> list[WorkerState]:
         """Workers last seen more than ``expiry_s`` ago, in the order they joined."""
         late = np.flatnonzero(now - self.last_seen > expiry_s)
@@ -406,6 +422,8 @@ class Fleet:
             assert math.isclose(self.rate[slot], rate, rel_tol=1e-9), worker.worker_id
             for name, value in self._row(worker).items():
                 assert getattr(self, name)[slot] == value, (worker.worker_id, name)
+        taken, rank = [s for s, w in enumerate(self.ids) if w is not None], self.id_rank()
+        assert sorted(taken, key=lambda s: self.ids[s] or "") == sorted(taken, key=lambda s: rank[s])
         for slot in (s for s, w in enumerate(self.ids) if w is None):
             assert all(getattr(self, name)[slot] == free for name, free in _ARRAYS.items()), slot
 

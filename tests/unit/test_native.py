@@ -140,9 +140,14 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
     with pytest.raises(IndexError):
         native.store(keys, stamp, holder, tiers, 60, [1], 5, 0, 1, 0, 0, 0, 0, 10)
     fleet = [np.zeros(3) for _ in range(7)]
+    with pytest.raises(ValueError, match="differ in length"):  # a rank of another fleet's size
+        native.choose_decode(*fleet[:3], np.zeros(2, dtype=np.int64), np.array([0], dtype=np.intp), 10)
+    with pytest.raises(IndexError, match="past the fleet"):
+        native.choose_decode(*fleet[:3], np.zeros(3, dtype=np.int64), np.array([3], dtype=np.intp), 10)
     with pytest.raises(IndexError, match="past the fleet"):
         native.choose_prefill(
             *fleet,
+            np.zeros(3, dtype=np.int64),
             np.array([7], dtype=np.intp),
             np.zeros(3, dtype=np.intp),
             out,
