@@ -64,7 +64,19 @@ class ApiError(IngressError):
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
             return {}
-        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
+        return {"retry-after": str(retry_after_header(self.retry_after_s))}
+
+
+_MAX_RETRY_AFTER_S = 3600
+
+
+def retry_after_header(seconds: float) -> int:
+    """Whole seconds for a Retry-After header: at least 1, at most an hour. A wait that is
+    not a number (a bad figure from the bus) says 1, an infinite one the hour: a header must
+    be sent, whatever the scheduler computed."""
+    if math.isnan(seconds):
+        return 1
+    return math.ceil(min(max(seconds, 1.0), _MAX_RETRY_AFTER_S))
 
 
 class InvalidRequest(ApiError):

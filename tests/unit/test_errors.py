@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import pkgutil
 
 import pytest
@@ -66,3 +67,13 @@ def test_a_failed_stream_becomes_the_http_error_its_code_means(code, status):
 
     error = generation_error(code, "why")
     assert (error.status, error.code, error.message) == (status, code, "why")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "header"),
+    [(0.0, "1"), (0.2, "1"), (1.0, "1"), (1.01, "2"), (-5.0, "1"), (7200.0, "3600"), (math.inf, "3600"),
+     (-math.inf, "1"), (math.nan, "1")],
+)  # fmt: skip
+def test_a_retry_after_is_whole_seconds_from_one_to_an_hour_whatever_the_wait_said(seconds, header):
+    error = ApiError("busy", retry_after_s=seconds)
+    assert error.headers() == {"retry-after": header}
