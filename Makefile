@@ -33,8 +33,12 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	bash scripts/typecheck.sh
 
-test: lint
-	$(PY) -m pytest -q
+# The suite in TEST_JOBS processes (pytest-xdist), each test module whole in one of them and
+# the vLLM modules together in one (tests/conftest.py); the tiny model built first, so every
+# process collects the same tests.
+TEST_JOBS ?= 2
+test: lint $(TINY_MODEL)/switchyard-tiny.json
+	$(PY) -m pytest -q -n $(TEST_JOBS) --no-loadscope-reorder
 
 bench-overhead: install
 	$(VENV)/bin/switchyard bench overhead --out bench/results/overhead

@@ -21,12 +21,33 @@ tracing.configure("switchyard-tests", "none", processor=SimpleSpanProcessor(SPAN
 
 
 def pytest_collection_modifyitems(config, items):
+    """The vLLM modules first: under ``make test`` (``pytest -n 2``) they are the longest
+    run, so they start at once. GPU tests are skipped unless ``SWITCHYARD_GPU=1``."""
+    vllm = [item for item in items if item.get_closest_marker("vllm")]
+    if vllm:
+        items[:] = vllm + [item for item in items if not item.get_closest_marker("vllm")]
     if os.environ.get("SWITCHYARD_GPU") == "1":
         return
     skip = pytest.mark.skip(reason="needs a GPU: set SWITCHYARD_GPU=1 on a GPU host")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``pytest -n N`` (``make test``): each test module runs whole in one process, so its
+    module-scoped stack starts once, and the vLLM modules (``test_vllm_*.py``) one after the
+    other in the same process: two vLLM stacks at once would share the Mooncake connector's
+    lookup socket and starve each other on two cores. Modules go out in collection order
+    (``--no-loadscope-reorder``), the vLLM ones first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "vllm" if module.rsplit("/", 1)[-1].startswith("test_vllm_") else module
+
+    return ByModule(config, log)
 
 
 @contextmanager
