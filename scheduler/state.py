@@ -186,14 +186,12 @@ class Fleet:
         for name in _ARRAYS:
             setattr(self, name, np.zeros(0))
         self.version = 0  # bumped when a worker joins or leaves
-        # Of this version (``_index_slots``): the prefill and decode groups' slots, and each role's.
+        # Of this version (``_index_slots``): the prefill and decode groups' slots, each role's,
+        # and each slot's place in the order of the workers' ids (``id_rank``).
         self._slots: dict[str, npt.NDArray[np.intp]] = {}
         self._role_slots: dict[str, slice | npt.NDArray[np.intp]] = {}
-        self._slots_version = -1
-        # Each slot's place in the order of the workers' ids (``id_rank``): the policies'
-        # tie-break as an array, for the loops in C. Redone when a worker joins or leaves.
         self._rank = np.zeros(0, dtype=np.int64)
-        self._rank_stale = True
+        self._slots_version = -1
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -223,7 +221,6 @@ class Fleet:
         self._factor_sum[role] += factor
         self.factor[slot], self.rate[slot] = factor, self.shared_rate[role]
         worker.fleet = self
-        self._rank_stale = True
         if self.lent and worker.role != "both":  # lending is for a pure colocated fleet only
             for lent in list(self.lent):
                 self.take_back(lent)
@@ -252,7 +249,6 @@ class Fleet:
         self.ids[slot] = None
         for name, free in _ARRAYS.items():
             getattr(self, name)[slot] = free
-        self._rank_stale = True
         self.version += 1
         return worker
 
@@ -358,16 +354,15 @@ class Fleet:
             taken.sort()
             contiguous = taken[-1] - taken[0] + 1 == len(taken)
             self._role_slots[role] = slice(taken[0], taken[-1] + 1) if contiguous else np.array(taken, dtype=np.intp)
+        self._rank = np.full(len(self.ids), len(self.ids), dtype=np.int64)
+        ranked = sorted((wid, slot) for slot, wid in enumerate(self.ids) if wid is not None)
+        self._rank[[slot for _, slot in ranked]] = np.arange(len(ranked), dtype=np.int64)
         self._slots_version = self.version
 
     def id_rank(self) -> npt.NDArray[np.int64]:
         """By slot, the worker's place among the fleet's ids in sorted order (a free slot
         ranks past them all): the lower rank of two is the lower id, as ``lowest_id`` picks."""
-        if self._rank_stale:
-            rank = np.full(len(self.ids), len(self.ids), dtype=np.int64)
-            taken = sorted((wid, slot) for slot, wid in enumerate(self.ids) if wid is not None)
-            rank[[slot for _, slot in taken]] = np.arange(len(taken), dtype=np.int64)
-            self._rank, self._rank_stale = rank, False
+        self._index_slots()
         return self._rank
 
     def expired(self, now: float, expiry_s: float) -> list[WorkerState]:
