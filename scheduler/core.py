@@ -45,7 +45,7 @@ import numpy as np
 
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import PrefixIndex
-from switchyard.scheduler.lending import Lending
+from switchyard.scheduler.lending import Lending, lane_worker
 from switchyard.scheduler.placement import Placement, Placer
 from switchyard.scheduler.queue import FairQueue
 from switchyard.scheduler.sessions import Binding, SessionTable
@@ -526,6 +526,7 @@ class SchedulerCore:
                 if self._misses_slo(tracked, placement, now):
                     self._queue.demote(tracked)  # behind every request that can still make it
                     continue  # whoever heads the queue now goes next (it may be this one, late)
+                placement = self._lent_lane(tracked, placement) or placement
                 if tracked.late and not self._slack(placement.worker):
                     self._blocked_at = self._epoch  # late and over every budget: it waits for slack
                     return actions
@@ -545,6 +546,33 @@ class SchedulerCore:
     # that can meet the SLO: one that found no slack within ``_LATE_WAIT_SLOS`` SLOs takes a
     # worker with nothing at all to do if the fleet is not busy right now, and is shed
     # otherwise (Mooncake's early rejection, softened: a fleet with room sheds nothing).
+
+    def _lent_lane(self, tracked: Tracked, placement: Placement) -> Placement | None:
+        """The short-prompt lane of a colocated fleet with workers lent to decoding: a
+        prompt whose own compute takes at most one TPOT SLO prefills and decodes on a lent
+        worker (a ``LocalTask``) if its first token comes sooner there than where the policy
+        placed it, while the lent decodes have room (``Lending.lane_open``). Behind a long
+        prompt a short one waits through the long one's prefill iterations (vLLM batches
+        its tokens with theirs); on a lent worker it waits one decode step (the lent decodes'
+        time per token), and those decodes stall once, by at most one token's SLO."""
+        if not self.fleet.lent or not self._lending.lane_open():
+            return None
+        worker = placement.worker
+        # Seconds of prefill a lent worker's decodes may stall, in tokens at the rate of the
+        # worker chosen: a colocated worker as the lent one is, its rate measured prefilling
+        # (a lent worker's own measure is mostly the decode step its prompts wait for).
+        most = self.config.tpot_slo_s * worker.prefill_rate
+        if placement.tokens > most:
+            return None
+        lent = lane_worker(self.fleet, tracked.decode_tokens)
+        if lent is None:
+            return None
+        need = self.placer.need(tracked, lent)  # its own cache may hold more, or less
+        there = need / worker.prefill_rate + self._lending.tpot[True]
+        here = (worker.load_tokens + placement.tokens) / worker.prefill_rate
+        if need > most or there >= here:
+            return None
+        return Placement(lent, "local", need)
 
     def _slo_aware(self) -> bool:
         return self.config.ttft_slo_s > 0 and self.placer.policy.slo_aware

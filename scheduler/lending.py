@@ -19,6 +19,13 @@ workers decode well within the SLO (``_QUICK``) while requests wait late for pre
 Each change waits for a decode's length (the core's learned decode duration) before the
 next, so the decodes it measures ran under it. At least one worker always prefills.
 
+While the lent workers' decodes run under ``_LANE`` of the SLO they also take short
+prompts (the core's short-prompt lane, ``SchedulerCore._lent_lane``): under a burst the
+prefill workers queue long prompts, and a short one behind them waits through whole
+prefill iterations, while on a lent worker it waits one decode step and stalls those
+decodes once. What the lane costs the lent decodes shows in the same measure, which closes
+it below ``_SLOW``, before it would lend another worker.
+
 The time per output token of a finished decode is its decode time over its tokens after
 the first, as the core sees it (from its placement to its ``RequestFinished``): a
 request's whole decode, not its worker's state now. Averaged over about
@@ -35,6 +42,7 @@ from switchyard.scheduler.state import Fleet, WorkerState
 
 _SLOW = 0.85  # lend another worker when decodes take more than this share of the SLO...
 _QUICK = 0.6  # ...take one back when the lent ones take less, and prefill is short
+_LANE = 0.8  # ...and give the lent ones short prompts while their decodes take less
 _WEIGHT = 0.05
 
 
@@ -76,6 +84,11 @@ class Lending:
             return self._changed(worker, now)
         return None
 
+    def lane_open(self) -> bool:
+        """Whether the lent workers' decodes have room for prompts of their own: measured
+        since the last change, and under ``_LANE`` of the SLO."""
+        return self.slo_s > 0 and self._seen[True] and self.tpot[True] < _LANE * self.slo_s
+
     def _changed(self, worker: WorkerState, now: float) -> str:
         self._changed_at = now
         self._seen = {True: False, False: False}  # measured afresh, under the new split
@@ -102,4 +115,12 @@ def pick_decode(fleet: Fleet, tokens: int) -> WorkerState | None:
     return min(both, key=lambda w: (w.load_tokens, len(w.held), w.worker_id)) if both else None
 
 
-__all__ = ["Lending", "pick_decode"]
+def lane_worker(fleet: Fleet, tokens: int) -> WorkerState | None:
+    """The lent worker to prefill a short prompt and decode it: one with no prompt on its
+    ledger (one at a time, so its decodes stall for at most one such prompt a step) and
+    room for its KV; of those, the one decoding fewest."""
+    free = [w for w in fleet.lent.values() if not w.load_tokens and w.kv_room(tokens)]
+    return min(free, key=lambda w: (len(w.held), w.worker_id)) if free else None
+
+
+__all__ = ["Lending", "lane_worker", "pick_decode"]

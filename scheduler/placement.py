@@ -107,6 +107,11 @@ class Placer:
         assert self._fits(chosen, request, view), chosen.worker_id
         return Placement(chosen, "prefill", view.need(chosen))
 
+    def need(self, request: Tracked, worker: WorkerState) -> int:
+        """What one worker's ledger would hold for the prompt: its uncached tokens there."""
+        blocks, device = self.index.match_counts(request.spec.block_keys, [worker.worker_id])
+        return self._view(request, blocks, device, math.inf).need(worker)
+
     def _commit(
         self,
         request: Tracked,

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from switchyard.scheduler import Dispatch, SchedulerConfig
-from switchyard.scheduler.lending import Lending, pick_decode
+from switchyard.scheduler.lending import Lending, lane_worker, pick_decode
 from switchyard.scheduler.state import Fleet, WorkerState
 from switchyard.schemas import DecodeTask, LocalTask, PrefillTask
 from tests.support.factories import make_spec, prefill_done, request_finished
+from tests.unit.test_scheduler_core import dispatches
 from tests.unit.test_scheduler_slo import BOTH_BUDGET, Colocated
 
 TPOT_SLO = 0.05
@@ -125,6 +126,33 @@ def test_a_handed_over_decode_goes_to_the_lent_worker_with_room_that_decodes_few
     assert pick_decode(fleet, 100).worker_id == "d"  # no lent one with room: fewest prompt tokens, then decodes
 
 
+def test_the_lane_opens_only_on_lent_decodes_measured_well_within_the_slo() -> None:
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    assert not lending.lane_open()  # nothing measured on a lent worker yet
+    lending.observe(False, QUICK)
+    assert not lending.lane_open()  # quick, but not on a lent worker
+    lending.observe(True, 0.7 * TPOT_SLO)
+    assert lending.lane_open()
+    for _ in range(60):
+        lending.observe(True, 0.82 * TPOT_SLO)  # past the lane's share, short of lending another
+    assert not lending.lane_open()
+    unset = Lending(SchedulerConfig())
+    unset.observe(True, QUICK)
+    assert not unset.lane_open()  # no TPOT SLO: no lending, no lane
+
+
+def test_the_lane_worker_has_no_prompt_on_its_ledger_and_room_for_the_kv() -> None:
+    full = both("full")
+    full.hold("big", 9_950)
+    fleet = colocated_fleet(both("a"), both("b", held=1, load=300), both("c", held=4), both("d", held=2), full)
+    for worker_id in ("b", "c", "d", "full"):
+        fleet.lend(worker_id)
+    assert lane_worker(fleet, 100).worker_id == "d"  # b prefills one already; full has no room
+    fleet.take_back("d")
+    assert lane_worker(fleet, 100).worker_id == "c"
+    assert lane_worker(fleet, 20_000) is None  # no lent worker holds that much KV
+
+
 class TestTheCore:
     """The core on a colocated fleet with a TPOT SLO: slow decodes lend a worker, and from
     then on prompts go to the others, which hand each decode over to it."""
@@ -170,3 +198,54 @@ class TestTheCore:
         assert not h.core.fleet.lent
         actions = h.admit(make_spec("next", prompt_len=1_000))
         assert [type(a.task) for a in actions if isinstance(a, Dispatch)] == [LocalTask]
+
+    @staticmethod
+    def lent_and_quick(h: Colocated) -> str:
+        """A worker lent (slow colocated decodes), then a decode handed to it that ran at
+        20 ms a token, under the lane's share of the 50 ms SLO: the lane is open. The lent worker."""
+        TestTheCore.slow_decode(h)
+        (lent,) = h.core.fleet.lent
+        spec = make_spec("quick", prompt_len=1_000, max_tokens=21)
+        (prefill,) = dispatches(h.admit(spec))
+        (handoff,) = dispatches(h.event(prefill_done(spec, prefill.worker_id, prefill_s=0.1)), DecodeTask)
+        assert handoff.worker_id == lent
+        h.clock.advance(0.4)
+        h.event(request_finished(spec, lent, generated=21))
+        assert h.core._lending.lane_open()
+        return lent
+
+    def test_behind_long_prompts_a_short_one_prefills_and_decodes_on_the_lent_worker(self) -> None:
+        h = self.core()
+        lent = self.lent_and_quick(h)
+        # On idle prefill workers a short prompt is quickest there: it goes there, to hand over.
+        idle = make_spec("idle", prompt_len=100)
+        (first,) = dispatches(h.admit(idle))
+        assert isinstance(first.task, PrefillTask) and first.worker_id != lent
+        h.event(prefill_done(idle, first.worker_id, prefill_s=0.01))
+        # Each prefill worker busy with a long prompt for about a second...
+        for i in range(2):
+            (long,) = dispatches(h.admit(make_spec(f"long{i}", prompt_len=8_000)))
+            assert isinstance(long.task, PrefillTask) and long.worker_id != lent
+        # ...a short prompt prefills on the lent worker and decodes there, with no handoff.
+        short = make_spec("short", prompt_len=100)
+        (lane,) = dispatches(h.admit(short))
+        assert (lane.worker_id, type(lane.task)) == (lent, LocalTask)
+        # One prompt at a time there: the next short one queues behind a long one.
+        (second,) = dispatches(h.admit(make_spec("short2", prompt_len=100)))
+        assert isinstance(second.task, PrefillTask) and second.worker_id != lent
+        assert not dispatches(h.event(prefill_done(short, lent, prefill_s=0.02)))
+        worker = h.core.workers[lent]
+        assert "short" in worker.held and worker.load_tokens == 0 and h.phase("short") == "decode"
+        # A prompt that would stall the lent decodes for more than a token's SLO does not go there.
+        (medium,) = dispatches(h.admit(make_spec("medium", prompt_len=1_000)))
+        assert isinstance(medium.task, PrefillTask) and medium.worker_id != lent
+
+    def test_slow_lent_decodes_close_the_lane(self) -> None:
+        h = self.core()
+        lent = self.lent_and_quick(h)
+        for _ in range(60):
+            h.core._lending.observe(True, 0.82 * TPOT_SLO)
+        for i in range(2):
+            h.admit(make_spec(f"long{i}", prompt_len=8_000))
+        (short,) = dispatches(h.admit(make_spec("short", prompt_len=100)))
+        assert isinstance(short.task, PrefillTask) and short.worker_id != lent
