@@ -8,7 +8,7 @@ Azure trace at its peak every policy decodes at a p90 of 86-88 ms a token agains
 SLO, while the same eight GPUs split 6+2 serve nearly twice the requests.
 
 So with a TPOT SLO (``tpot_slo_s``) the ``switchyard`` policy lends colocated workers to
-decoding when decodes run slow, one at a time: a lent worker takes no new prompt
+decoding when decodes run slow, one at a time: a lent worker takes no prompt the policy places
 (``Fleet.lend``), and the other workers hand each request they prefill over to the lent
 ones (a ``PrefillTask``: prefill, then KV handoff) instead of decoding it themselves (a
 ``LocalTask``). A worker is lent when the decodes finishing lately ran slower than
