@@ -120,6 +120,16 @@ _BUSY_SPARE = 0.7
 # time per output token grows with the worker's prefill share. At this share decoding keeps
 # most of each worker's time even with the late work added.
 _BUSY_SPARE_DECODING = 0.4
+# Shortest first, while the prefill fleet is busy: from this busy share on, a worker that
+# hands its prompts over holds at most ``_HOLD_S`` of prefill at its rate (or one prompt,
+# alone: ``Fleet.fit_budget``), so the rest waits in the queue, where the prompts are in
+# order of virtual start plus ``_SIZE_WEIGHT`` times their tokens (``FairQueue``). Queued at
+# a worker, a short prompt waits through the long ones before it; queued here, it passes
+# them, and a long one waits for a worker to drain. Off on an idle fleet, where it would only
+# take a prompt away from a busy worker that holds its prefix.
+_HOLD_BUSY = 0.5
+_HOLD_S = 0.15
+_SIZE_WEIGHT = 64.0
 _RATE_MIN_TOKENS = 2048  # a prediction of fewer tokens than this is mostly fixed costs
 _RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sample
 _OWN_RATE_WEIGHT = 0.02  # ...and of a worker's own factor over its role's rate (``Fleet.learn_rate``)
@@ -137,7 +147,7 @@ class SchedulerCore:
         self.index = PrefixIndex(config.index_max_entries)
         self.sessions = SessionTable(config.session_ttl_s)
         self.placer = Placer(config, self.index)
-        self._queue = FairQueue()
+        self._queue = FairQueue(_SIZE_WEIGHT if self._slo_aware() else 0.0)
         self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
         # Decode admission: the KV tokens (prompt + max_tokens) every request in flight can
         # come to hold on a decode worker, whatever its phase, against the decode fleet's
@@ -655,14 +665,16 @@ class SchedulerCore:
 
     def _sample_busy(self, now: float) -> None:
         if not self.fleet.prefill or not self._slo_aware():
-            return  # read only by the late lane
+            return  # read only by the late lane and the hold (``fleet.hold_s``)
         busy = self._busy_now()
         # No history yet reads as idle, not as this instant's share: a burst that finds a
         # fresh scheduler is not a busy past.
         weight = 0.0 if self._busy_at is None else min(1.0, (now - self._busy_at) / _BUSY_WINDOW_S)
         before = self._spare_lately_states()
         self._busy, self._busy_at = (1 - weight) * self._busy + weight * busy, now
-        if self._spare_lately_states() != before:
+        hold_s = _HOLD_S if self._busy >= _HOLD_BUSY else 0.0
+        if self._spare_lately_states() != before or hold_s != self.fleet.hold_s:
+            self.fleet.hold_s = hold_s
             self._capacity_changed()  # a late head blocked for want of slack may find it now
 
     def _busy_now(self) -> float:

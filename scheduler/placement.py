@@ -204,10 +204,11 @@ def _fitting(
     fleet: Fleet, slots: npt.NDArray[np.intp], uncached: npt.NDArray[np.float64], decode_tokens: int
 ) -> npt.NDArray[np.bool_]:
     """``Placer._fits`` of each worker at ``slots``: its ledger takes ``view.need`` (at least
-    one token, ``uncached`` rounded up), and a colocated one has KV room for the request."""
+    one token, ``uncached`` rounded up) within ``Fleet.fit_budget``, and a colocated one has
+    KV room for the request."""
     need = np.maximum(1.0, np.ceil(uncached))
     load = fleet.load[slots]
-    fits: npt.NDArray[np.bool_] = (load == 0) | (load + need <= fleet.budget[slots])
+    fits: npt.NDArray[np.bool_] = (load == 0) | (load + need <= fleet.fit_budget()[slots])
     if not fleet.roles["both"]:
         return fits  # no colocated worker: no KV room to check
     kv_room = (fleet.holding[slots] == 0) | (fleet.kv[slots] + decode_tokens <= fleet.kv_cap[slots])

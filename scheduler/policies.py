@@ -210,7 +210,7 @@ class Switchyard:
         index slot). The chosen worker and what its ledger takes, or None if none fits."""
         limit = _SAFE_SHARE * ttft_budget_s if ttft_budget_s < math.inf else math.inf
         chosen = _native.choose_prefill(
-            fleet.load, fleet.rate, fleet.budget, fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
+            fleet.load, fleet.rate, fleet.fit_budget(), fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
             fleet.id_rank(), slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size,
             fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, _QUEUE_WEIGHT,
         )  # fmt: skip

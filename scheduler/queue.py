@@ -8,7 +8,12 @@ Order within the queue, first to last:
 4. start-time fair queuing by prompt tokens across tenants: each request gets a
    virtual start ``max(now_virtual, tenant's last virtual finish)`` and advances its
    tenant's finish by its prompt tokens, so a tenant that floods the queue waits
-   behind the others' next requests instead of starving them;
+   behind the others' next requests instead of starving them. With a ``size_weight``
+   (the core's SLO-aware queueing, ``SchedulerCore``) the order is by the virtual start
+   plus ``size_weight`` times the prompt tokens instead: shorter prompts first, a long one
+   behind the shorter ones its tenants send until about that many times its length in
+   tokens have come after it (aging in virtual time), and tenants still fair between each
+   other;
 5. arrival order.
 The head is dispatched when some worker fits it; nobody jumps the head (no
 starvation of large prompts by small ones), except the core's bounded backfill around a
@@ -25,7 +30,8 @@ _Key = tuple[int, int, int, float, int, str]
 
 
 class FairQueue:
-    def __init__(self) -> None:
+    def __init__(self, size_weight: float = 0.0) -> None:
+        self.size_weight = size_weight
         self._entries: list[_Key] = []
         self._virtual_now = 0.0
         self._tenant_finish: dict[str, float] = {}
@@ -79,14 +85,14 @@ class FairQueue:
     def request_ids(self) -> list[str]:
         return [entry[-1] for entry in self._entries]
 
-    @staticmethod
-    def _key(tracked: Tracked) -> _Key:
+    def _key(self, tracked: Tracked) -> _Key:
+        start = tracked.virtual_start or 0.0
         return (
             tracked.spec.priority,
             0 if tracked.requeued else 1,
             1 if tracked.late else 0,
             # late requests: shortest first (the most of them served in the capacity left over)
-            float(tracked.prompt_tokens) if tracked.late else tracked.virtual_start or 0.0,
+            float(tracked.prompt_tokens) if tracked.late else start + self.size_weight * tracked.prompt_tokens,
             tracked.order,
             tracked.spec.request_id,
         )

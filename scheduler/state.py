@@ -182,6 +182,9 @@ class Fleet:
         self.shared_rate: dict[str, float] = {}
         self._factor_sum: dict[str, float] = {}
         self.decode_capacity = 0
+        # Seconds of prefill a worker that hands its prompts over may hold (``fit_budget``;
+        # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
+        self.hold_s = 0.0
         self.ids: list[str | None] = []  # slot -> worker id
         for name in _ARRAYS:
             setattr(self, name, np.zeros(0))
@@ -358,6 +361,21 @@ class Fleet:
         ranked = sorted((wid, slot) for slot, wid in enumerate(self.ids) if wid is not None)
         self._rank[[slot for _, slot in ranked]] = np.arange(len(ranked), dtype=np.int64)
         self._slots_version = self.version
+
+    def fit_budget(self) -> npt.NDArray[np.float64]:
+        """By slot, the budget a prompt must fit (``load == 0 or load + need <= it``): the
+        worker's own, or with ``hold_s`` set, at most ``hold_s`` of prefill at its rate for
+        a worker that hands its prompts over to others to decode (role ``prefill``, and
+        colocated ones while some are lent). So their queues stay short and what waits,
+        waits in the core's queue, where shorter prompts go first; a prompt longer than
+        that runs on such a worker once it is idle."""
+        if self.hold_s <= 0:
+            return self.budget
+        handing_over = (self.colocated == 0) | bool(self.lent)
+        held: npt.NDArray[np.float64] = np.where(
+            handing_over, np.minimum(self.budget, self.hold_s * self.rate), self.budget
+        )
+        return held
 
     def id_rank(self) -> npt.NDArray[np.int64]:
         """By slot, the worker's place among the fleet's ids in sorted order (a free slot

@@ -322,3 +322,43 @@ def test_a_head_over_every_budget_that_misses_the_slo_anyway_waits_behind_those_
     assert h.core.requests["huge"].late
     # an on-time request behind it is not held back for it, however many it would fit
     assert placed(h.admit(make_spec("small", prompt_len=1_000))) == {"small": "p0"}
+
+
+def _busy(h: Harness) -> None:
+    """Both prefill workers run a 10,000-token prompt (1.25 s each, on time), long enough for
+    the fleet's busy share, sampled each tick over about 20 s, to reach 1."""
+    for rid, w in (("a", "p0"), ("b", "p1")):
+        assert placed(h.admit(make_spec(rid, prompt_len=10_000))) == {rid: w}
+    h.tick()
+    h.tick(20.0)
+
+
+def test_on_a_busy_fleet_a_short_prompt_passes_a_long_one_in_the_core_queue() -> None:
+    h = fleet(workers=2, worker_expiry_s=100.0)
+    _busy(h)
+    # Each worker holds at most 0.15 s of prefill (1,200 tokens at 8,000/s) or one prompt
+    # alone: both wait here instead of behind the 10,000 tokens on either worker.
+    assert placed(h.admit(make_spec("long", prompt_len=5_000))) == {}
+    assert placed(h.admit(make_spec("short", prompt_len=400))) == {}
+    # The first worker to finish takes the short one (it came later), then nothing more:
+    # 400 + 5,000 tokens are over the hold, so the long one waits for an idle worker.
+    a = h.core.requests["a"].spec
+    assert placed(h.event(prefill_done(a, "p0", prefill_s=1.25))) == {"short": "p0"}
+    b = h.core.requests["b"].spec
+    assert placed(h.event(prefill_done(b, "p1", prefill_s=1.25))) == {"long": "p1"}
+
+
+def test_on_a_fleet_not_busy_lately_prompts_queue_at_the_workers_in_arrival_order() -> None:
+    h = fleet(workers=2, worker_expiry_s=100.0)
+    for rid, w in (("a", "p0"), ("b", "p1")):
+        assert placed(h.admit(make_spec(rid, prompt_len=10_000))) == {rid: w}
+    h.tick()  # no busy past yet: no hold
+    assert placed(h.admit(make_spec("long", prompt_len=5_000))) == {"long": "p0"}
+    assert placed(h.admit(make_spec("short", prompt_len=400))) == {"short": "p1"}
+
+
+def test_the_peers_are_never_held_in_the_core_queue() -> None:
+    h = fleet(policy="sglang_cache_aware", workers=2, worker_expiry_s=100.0)
+    _busy(h)
+    assert set(placed(h.admit(make_spec("long", prompt_len=5_000)))) == {"long"}
+    assert set(placed(h.admit(make_spec("short", prompt_len=400)))) == {"short"}
