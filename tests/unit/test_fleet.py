@@ -216,3 +216,47 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
             decoded = fast.decode(request, fleet)
             expected = slow.decode(request, list(fleet))
             assert (decoded and decoded.worker_id) == (expected and expected.worker_id), (name, i)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_hold_is_the_same_in_c_and_in_numpy_and_every_choice_fits_it(seed: int) -> None:
+    """With ``hold_s`` set (the core's shortest first on a busy fleet), the C loop and the
+    numpy path still choose alike, and a worker that hands its prompts over takes a prompt
+    only within ``hold_s`` of prefill at its rate, or idle; with none lent, a colocated
+    worker keeps its whole budget."""
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    assert index.native, "scheduler/_native.c did not build: `make install` (it needs a C compiler)"
+    fleet = Fleet()
+    for i in range(12):
+        fleet.add(new_worker(f"w{i:02d}", rng.choice(ROLES), rng))
+    colocated = [w for w in fleet.prefill.values() if w.role == "both"]
+    if seed % 2 and len(colocated) > 1:
+        fleet.lend(colocated[0].worker_id)  # then the other colocated ones hand over too
+    config = SchedulerConfig(policy="switchyard")
+    placer = Placer(config, index)
+    changed = 0
+    for i in range(200):
+        hold_s = rng.choice([0.05, 0.15])
+        for worker in fleet:
+            worker.load_tokens = rng.choice([0, 0, 300, 900, 3_000])
+            worker.prefill_rate = rng.choice([8_000.0, 6_000.0])
+        spec = make_spec(f"r{i}", prompt_len=rng.choice([100, 700, 2_500]))
+        request = Tracked(spec=spec, enqueued_at=0.0, order=i)
+        fleet.hold_s = 0.0
+        unheld = placer.prefill(request, fleet, None)
+        fleet.hold_s = hold_s
+        index.native = True
+        in_c = placer.prefill(request, fleet, None)
+        index.native = False
+        in_numpy = placer.prefill(request, fleet, None)
+        assert (in_c and (in_c.worker.worker_id, in_c.tokens)) == (
+            in_numpy and (in_numpy.worker.worker_id, in_numpy.tokens)
+        ), i
+        changed += (in_c and in_c.worker.worker_id) != (unheld and unheld.worker.worker_id)
+        if in_c is None:
+            continue
+        worker = in_c.worker
+        if worker.load_tokens and (worker.role == "prefill" or fleet.lent):
+            assert worker.load_tokens + in_c.tokens <= min(worker.token_budget, hold_s * worker.prefill_rate), i
+    assert changed > 0  # the hold was in play: it moved or held some prompts
