@@ -125,9 +125,11 @@ _BUSY_SPARE_DECODING = 0.4
 # alone: ``Fleet.fit_budget``), so the rest waits in the queue, where the prompts are in
 # order of virtual start plus ``_SIZE_WEIGHT`` times their tokens (``FairQueue``). Queued at
 # a worker, a short prompt waits through the long ones before it; queued here, it passes
-# them, and a long one waits for a worker to drain. Off on an idle fleet, where it would only
-# take a prompt away from a busy worker that holds its prefix.
+# them, and a long one waits for a worker to drain. Off on a fleet not busy lately, and for a
+# prompt the policy would place, unheld, on a worker that holds at least ``_HOLD_REUSE`` of
+# it: held from there it would go to an idle worker and recompute its prefix.
 _HOLD_BUSY = 0.5
+_HOLD_REUSE = 0.5
 _HOLD_S = 0.15
 _SIZE_WEIGHT = 64.0
 _RATE_MIN_TOKENS = 2048  # a prediction of fewer tokens than this is mostly fixed costs
@@ -524,9 +526,7 @@ class SchedulerCore:
                     self._blocked_at = self._epoch  # only late requests are queued: they wait for slack
                     return actions
             else:
-                placement = self.placer.prefill(
-                    tracked, self.fleet, self._bound(tracked, now), self._ttft_budget_s(tracked, now)
-                )
+                placement = self._prefill_placement(tracked, now)
                 if placement is None:
                     if self._intrinsically_late(tracked, now):
                         self._queue.demote(tracked)  # it waits for an idle worker, but behind those on time
@@ -583,6 +583,22 @@ class SchedulerCore:
         if need > most or there >= here:
             return None
         return Placement(lent, "local", need)
+
+    def _prefill_placement(self, tracked: Tracked, now: float) -> Placement | None:
+        """The policy's placement; under the hold (``fleet.hold_s``), the one without it if
+        the worker holds at least ``_HOLD_REUSE`` of the prompt: held from that worker,
+        the prompt would recompute its prefix elsewhere."""
+        bound, budget_s = self._bound(tracked, now), self._ttft_budget_s(tracked, now)
+        hold_s = self.fleet.hold_s
+        if hold_s > 0:
+            self.fleet.hold_s = 0.0
+            try:
+                unheld = self.placer.prefill(tracked, self.fleet, bound, budget_s)
+            finally:
+                self.fleet.hold_s = hold_s
+            if unheld is not None and unheld.tokens <= (1 - _HOLD_REUSE) * tracked.prompt_tokens:
+                return unheld
+        return self.placer.prefill(tracked, self.fleet, bound, budget_s)
 
     def _slo_aware(self) -> bool:
         return self.config.ttft_slo_s > 0 and self.placer.policy.slo_aware

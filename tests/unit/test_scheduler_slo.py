@@ -362,3 +362,18 @@ def test_the_peers_are_never_held_in_the_core_queue() -> None:
     _busy(h)
     assert set(placed(h.admit(make_spec("long", prompt_len=5_000)))) == {"long"}
     assert set(placed(h.admit(make_spec("short", prompt_len=400)))) == {"short"}
+
+
+def test_on_a_busy_fleet_a_prompt_is_not_held_from_the_worker_that_holds_most_of_it() -> None:
+    from switchyard.schemas import KvSnapshot
+
+    h = fleet(workers=2, worker_expiry_s=100.0)
+    _busy(h)
+    first_turn = make_spec("turn-1", prompt_len=5_000)
+    h.core.index.load_snapshot(KvSnapshot(worker_id="p0", seq=0, blocks={"device": first_turn.block_keys}))
+    extra = make_spec("x", prompt_len=1_000).prompt_tokens
+    follow = make_spec("turn-2", prompt=first_turn.prompt_tokens + extra)
+    # p0 holds 5,000 of its 6,000 tokens: it goes there behind the 10,000 (1.4 s), not held
+    # for an idle worker that would recompute them all
+    assert placed(h.admit(follow)) == {"turn-2": "p0"}
+    assert placed(h.admit(make_spec("new", prompt_len=1_000))) == {}  # nothing cached: held
