@@ -590,14 +590,22 @@ class SchedulerCore:
         the prompt would recompute its prefix elsewhere."""
         bound, budget_s = self._bound(tracked, now), self._ttft_budget_s(tracked, now)
         hold_s = self.fleet.hold_s
-        if hold_s > 0:
-            self.fleet.hold_s = 0.0
-            try:
-                unheld = self.placer.prefill(tracked, self.fleet, bound, budget_s)
-            finally:
-                self.fleet.hold_s = hold_s
-            if unheld is not None and unheld.tokens <= (1 - _HOLD_REUSE) * tracked.prompt_tokens:
-                return unheld
+        if hold_s <= 0:
+            return self.placer.prefill(tracked, self.fleet, bound, budget_s)
+        self.fleet.hold_s = 0.0
+        try:
+            unheld = self.placer.prefill(tracked, self.fleet, bound, budget_s)
+        finally:
+            self.fleet.hold_s = hold_s
+        # The hold only narrows who fits: nothing fits under it where nothing fits without
+        # it, and a choice that fits it anyway is the policy's choice under it too (the
+        # least of a key, as ``Placer._prefill_by_slot`` relies on): no second placement.
+        if (
+            unheld is None
+            or unheld.tokens <= (1 - _HOLD_REUSE) * tracked.prompt_tokens
+            or (unheld.kind == "prefill" and self.fleet.fits_held(unheld.worker, unheld.tokens))
+        ):
+            return unheld
         return self.placer.prefill(tracked, self.fleet, bound, budget_s)
 
     def _slo_aware(self) -> bool:

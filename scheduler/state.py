@@ -377,6 +377,12 @@ class Fleet:
         )
         return held
 
+    def fits_held(self, worker: WorkerState, tokens: int) -> bool:
+        """Whether ``tokens`` more fit ``worker`` within ``fit_budget`` (the ledger check of
+        ``WorkerState.fits``, with the hold)."""
+        load = worker.load_tokens
+        return load == 0 or load + tokens <= self.fit_budget()[worker.slot]
+
     def id_rank(self) -> npt.NDArray[np.int64]:
         """By slot, the worker's place among the fleet's ids in sorted order (a free slot
         ranks past them all): the lower rank of two is the lower id, as ``lowest_id`` picks."""
