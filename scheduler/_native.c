@@ -389,7 +389,7 @@ done:
 
 /* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, rank, slots, rows, blocks,
  *                device, prompt, block_size, fetch_credit, decode_tokens, check_kv, limit,
- *                queue_weight)
+ *                queue_weight, kv_weight)
  *   -> (slot, need) of the best worker, ties to the lowest ``rank`` (the fleet's order of
  *      worker ids, so the lowest id); None if none fits
  *
@@ -399,16 +399,17 @@ done:
  * ``check_kv`` when the fleet has colocated workers), and among those that do, when
  * ``limit`` (half the time left before the TTFT SLO) is finite and some worker's predicted
  * TTFT is within it, the least work among those (on a colocated worker its queue counts
- * ``queue_weight`` times, and the KV it decodes), then the quickest; else the quickest. */
+ * ``queue_weight`` times, and the KV it decodes ``kv_weight`` times), then (``kv_weight`` 0)
+ * the least KV a colocated worker decodes, then the quickest; else the quickest. */
 static PyObject *choose_prefill(PyObject *self, PyObject *args) {
     PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_rank, *o_slots, *o_rows,
         *o_blocks, *o_device;
     long long prompt, block_size, decode_tokens;
-    double fetch_credit, limit, queue_weight;
+    double fetch_credit, limit, queue_weight, kv_weight;
     int check_kv;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOLLdLpdd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOLLdLpddd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
                           &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt, &block_size,
-                          &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight))
+                          &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_weight))
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
@@ -428,7 +429,7 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
     }
     int slo = limit < INFINITY; /* -inf (a late request): nothing is safe, the quickest wins */
     int any_safe = 0;
-    double best_work = INFINITY, best_pred = INFINITY, best_need = 0.0;
+    double best_work = INFINITY, best_tie = INFINITY, best_pred = INFINITY, best_need = 0.0;
     int64_t best = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = slots[i];
@@ -454,12 +455,21 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
         double work;
         int safe = slo && pred <= limit;
         if (safe) {
-            work = coloc[s] != 0.0 ? (uncached + queue_weight * load[s]) + kv[s] : uncached;
-            if (!any_safe || work < best_work || (work == best_work && pred < best_pred)) {
+            double tie = 0.0; /* with kv_weight 0, a colocated worker's KV breaks ties */
+            if (coloc[s] == 0.0) {
+                work = uncached;
+            } else if (kv_weight != 0.0) {
+                work = (uncached + queue_weight * load[s]) + kv[s];
+            } else {
+                work = uncached + queue_weight * load[s];
+                tie = kv[s];
+            }
+            if (!any_safe || work < best_work || (work == best_work && (tie < best_tie || (tie == best_tie && pred < best_pred)))) {
                 any_safe = 1;
                 best_work = work;
+                best_tie = tie;
                 best_pred = pred;
-            } else if (!(work == best_work && pred == best_pred && rank[s] < rank[best])) {
+            } else if (!(work == best_work && tie == best_tie && pred == best_pred && rank[s] < rank[best])) {
                 continue; /* worse, or tied with a lower id */
             }
         } else {

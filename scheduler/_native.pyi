@@ -74,5 +74,6 @@ def choose_prefill(
     check_kv: bool,
     limit: float,
     queue_weight: float,
+    kv_weight: float,
 ) -> tuple[int, float] | None: ...
 def choose_decode(load: Buffer, budget: Buffer, running: Buffer, rank: Buffer, slots: Buffer, tokens: int) -> int: ...

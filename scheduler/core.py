@@ -128,6 +128,10 @@ _BUSY_SPARE_DECODING = 0.4
 # them, and a long one waits for a worker to drain. Off on a fleet not busy lately, and for a
 # prompt the policy would place, unheld, on a worker that holds at least ``_HOLD_REUSE`` of
 # it: held from there it would go to an idle worker and recompute its prefix.
+# Decodes that have run within this share of the TPOT SLO lately keep it with room to spare:
+# then the switchyard policy lets the KV a colocated worker decodes only break ties
+# (``Fleet.decode_slack``; ``policies._QUEUE_WEIGHT``'s note).
+_DECODE_SLACK = 0.5
 _HOLD_BUSY = 0.5
 _HOLD_REUSE = 0.5
 _HOLD_S = 0.15
@@ -483,6 +487,7 @@ class SchedulerCore:
             return
         tpot = (now - tracked.decode_started) / max(1, finished.generated_tokens - 1)
         self._lending.observe(tracked.worker_id in self.fleet.lent, tpot)
+        self.fleet.decode_slack = self._lending.tpot[False] < _DECODE_SLACK * self.config.tpot_slo_s
         late_waiting = lambda: self._queue.late_tokens > 0  # noqa: E731 (the queue keeps the count)
         if self._lending.decide(self.fleet, late_waiting, max(1.0, self._decode_s), now) is not None:
             self._capacity_changed()

@@ -53,6 +53,10 @@ _SAFE_SHARE = 0.5  # switchyard: a placement keeps the SLO with room to spare wi
 # on Mooncake drops 0-3% as it grows; 4 is the least that brings Azure's light-load p90
 # within 2% of the best peer's.
 _QUEUE_WEIGHT = 4.0
+# ...and the KV decoding there counts only while decodes run slow: while they have run within
+# half the TPOT SLO lately (``Fleet.decode_slack``, set by the core), it only breaks ties
+# between workers whose prompt and queue cost the same, for then the decodes keep their SLO
+# with room to spare and what the prompt would wait for is the queue.
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,11 @@ class PlacementView:
         """What the worker's ledger would hold: at least one token, since even a fully
         cached prompt computes its last token."""
         return max(1, math.ceil(self.uncached_tokens(worker)))
+
+
+def worker_fleet_slack(worker: WorkerState) -> bool:
+    """``Fleet.decode_slack`` of the worker's fleet (False for a worker in none)."""
+    return worker.fleet is not None and worker.fleet.decode_slack
 
 
 class PrefillPolicy(Protocol):
@@ -160,7 +169,16 @@ class Switchyard:
             limit = _SAFE_SHARE * view.ttft_budget_s
             safe = [w for w in candidates if self.predicted_ttft_s(w, view) <= limit]
             if safe:
-                return min(safe, key=lambda w: (self.work(w, view), self.predicted_ttft_s(w, view), w.worker_id))
+                slack = worker_fleet_slack(safe[0])
+                return min(
+                    safe,
+                    key=lambda w: (
+                        self.work(w, view, kv=not slack),
+                        w.kv_tokens if slack and w.role == "both" else 0,
+                        self.predicted_ttft_s(w, view),
+                        w.worker_id,
+                    ),
+                )
         best = min(candidates, key=lambda w: (self.predicted_ttft_s(w, view), w.worker_id))
         if log.isEnabledFor(logging.DEBUG):
             self.cost(best, request, view)  # logs the winner's terms
@@ -184,8 +202,15 @@ class Switchyard:
             safe = predicted <= _SAFE_SHARE * view.ttft_budget_s
             if safe.any():
                 colocated = fleet.colocated[slots] != 0
-                work = np.where(colocated, (uncached + _QUEUE_WEIGHT * load) + fleet.kv[slots], uncached)
-                safe &= work == work[safe].min()
+                kv = fleet.kv[slots]
+                if fleet.decode_slack:  # the KV only breaks ties (``_QUEUE_WEIGHT``'s note)
+                    work = np.where(colocated, uncached + _QUEUE_WEIGHT * load, uncached)
+                    safe &= work == work[safe].min()
+                    tie = np.where(colocated, kv, 0.0)
+                    safe &= tie == tie[safe].min()
+                else:
+                    work = np.where(colocated, (uncached + _QUEUE_WEIGHT * load) + kv, uncached)
+                    safe &= work == work[safe].min()
                 safe &= predicted == predicted[safe].min()
                 return lowest_id(fleet, slots[safe])
         best = lowest_id(fleet, slots[predicted == predicted.min()])
@@ -213,6 +238,7 @@ class Switchyard:
             fleet.load, fleet.rate, fleet.fit_budget(), fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
             fleet.id_rank(), slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size,
             fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, _QUEUE_WEIGHT,
+            0.0 if fleet.decode_slack else 1.0,
         )  # fmt: skip
         if chosen is None:
             return None
@@ -227,14 +253,15 @@ class Switchyard:
         return best, int(need)
 
     @staticmethod
-    def work(worker: WorkerState, view: PlacementView) -> float:
+    def work(worker: WorkerState, view: PlacementView, kv: bool = True) -> float:
         """What placing the prompt there costs the fleet, in tokens: its uncached tokens;
         on a colocated worker also everything it runs beside them (the prompts queued
-        there, ``_QUEUE_WEIGHT`` times: its own first token waits on them, and the KV of
-        the sequences it decodes, each slowed by the prompt)."""
+        there, ``_QUEUE_WEIGHT`` times: its own first token waits on them, and, with
+        ``kv``, the KV of the sequences it decodes, each slowed by the prompt)."""
         if worker.role != "both":
             return view.uncached_tokens(worker)
-        return view.uncached_tokens(worker) + _QUEUE_WEIGHT * worker.load_tokens + worker.kv_tokens
+        queued = view.uncached_tokens(worker) + _QUEUE_WEIGHT * worker.load_tokens
+        return queued + worker.kv_tokens if kv else queued
 
     @staticmethod
     def predicted_ttft_s(worker: WorkerState, view: PlacementView) -> float:

@@ -185,6 +185,9 @@ class Fleet:
         # Seconds of prefill a worker that hands its prompts over may hold (``fit_budget``;
         # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
         self.hold_s = 0.0
+        # Whether the colocated workers' decodes have run within half the TPOT SLO lately (set
+        # by the core): then ``switchyard`` weighs the KV they decode only to break ties.
+        self.decode_slack = False
         self.ids: list[str | None] = []  # slot -> worker id
         for name in _ARRAYS:
             setattr(self, name, np.zeros(0))

@@ -200,6 +200,7 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
                     worker.release(rid)
                 if worker.role == "both" and rng.random() < 0.5:
                     worker.hold(f"kv{i}", rng.choice([100, 3_900]))
+            fleet.decode_slack = rng.random() < 0.5  # the KV decoded weighed, or a tie-break only
             keys = [*rng.choice(prefixes)[: rng.randrange(0, 9)], rng.randrange(1 << 63)]
             spec = msgspec.structs.replace(make_spec(f"r{i}", prompt_len=len(keys) * BLOCK_SIZE - 3), block_keys=keys)
             request = Tracked(spec=spec, enqueued_at=0.0, order=i)

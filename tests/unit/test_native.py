@@ -159,6 +159,7 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
             False,
             1.0,
             4.0,
+            1.0,
         )
 
 

@@ -15,7 +15,7 @@ import pytest
 from switchyard.scheduler import Dispatch, FailStream
 from switchyard.scheduler.policies import Switchyard
 from switchyard.schemas import Admitted, LocalTask, PrefillTask
-from tests.support.factories import make_spec, prefill_done
+from tests.support.factories import make_spec, prefill_done, request_finished
 from tests.unit.test_policies import tracked, view, worker
 from tests.unit.test_scheduler_core import Harness
 
@@ -377,3 +377,26 @@ def test_on_a_busy_fleet_a_prompt_is_not_held_from_the_worker_that_holds_most_of
     # for an idle worker that would recompute them all
     assert placed(h.admit(follow)) == {"turn-2": "p0"}
     assert placed(h.admit(make_spec("new", prompt_len=1_000))) == {}  # nothing cached: held
+
+
+def test_while_decodes_run_well_within_the_tpot_slo_their_kv_only_breaks_ties() -> None:
+    # One worker decodes 6,008 KV tokens; the other has 500 prompt tokens queued and decodes
+    # nothing. That KV weighs as much as 1,500 queued tokens would: the queued worker wins
+    # while decodes run slow, or before any was measured. Once decodes finish within half
+    # the TPOT SLO, the queue decides: the decoding worker, where the prompt starts at once.
+    for measured, slack in ((None, False), (0.1, True), (0.2, False)):
+        h = colocated(tpot_slo_s=0.05)
+        if measured is not None:  # one decode of 8 tokens in ``measured`` s: 14 or 29 ms a token
+            warm = make_spec("warm", prompt_len=100, max_tokens=8)
+            assert placed(h.admit(warm)) == {"warm": "c0"}
+            h.event(prefill_done(warm, "c0", prefill_s=0.01))
+            h.clock.advance(measured)
+            h.event(request_finished(warm, "c0"))
+        assert h.core.fleet.decode_slack == slack
+        seq = make_spec("seq", prompt_len=6_000, max_tokens=8)
+        decoding = placed(h.admit(seq))["seq"]
+        h.event(prefill_done(seq, decoding, prefill_s=0.5))
+        queued = {"c0": "c1", "c1": "c0"}[decoding]
+        assert placed(h.admit(make_spec("q", prompt_len=500))) == {"q": queued}  # same work: the KV breaks the tie
+        expected = decoding if slack else queued
+        assert placed(h.admit(make_spec("new", prompt_len=1_000))) == {"new": expected}, measured
