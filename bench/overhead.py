@@ -26,6 +26,7 @@ import anyio
 import anyio.lowlevel
 import httpx
 import nats
+import nats.errors
 import psutil
 
 from switchyard import procs
@@ -184,6 +185,17 @@ async def _bare_request_reply(nats_url: str, n: int) -> list[float]:
 
         await responder.subscribe("bench.echo", cb=echo)
         await responder.flush()
+        # The flush says the responder's server has the subscription; the requester's may
+        # hear of it a moment later (a cluster propagates interest): wait for it, untimed.
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                await requester.request("bench.echo", payload, timeout=5)
+                break
+            except nats.errors.NoRespondersError:
+                if time.monotonic() > deadline:
+                    raise
+                await anyio.sleep(0.05)
         samples = []
         for i in range(n + 10):
             started = time.perf_counter()
