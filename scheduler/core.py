@@ -120,6 +120,10 @@ _BUSY_SPARE = 0.7
 # time per output token grows with the worker's prefill share. At this share decoding keeps
 # most of each worker's time even with the late work added.
 _BUSY_SPARE_DECODING = 0.4
+# Decodes that have run within this share of the TPOT SLO lately keep it with room to spare:
+# then the switchyard policy lets the KV a colocated worker decodes only break ties
+# (``Fleet.decode_slack``; ``policies._QUEUE_WEIGHT``'s note).
+_DECODE_SLACK = 0.5
 # Shortest first, while the prefill fleet is busy: from this busy share on, a worker that
 # hands its prompts over holds at most ``_HOLD_S`` of prefill at its rate (or one prompt,
 # alone: ``Fleet.fit_budget``), so the rest waits in the queue, where the prompts are in
@@ -128,10 +132,6 @@ _BUSY_SPARE_DECODING = 0.4
 # them, and a long one waits for a worker to drain. Off on a fleet not busy lately, and for a
 # prompt the policy would place, unheld, on a worker that holds at least ``_HOLD_REUSE`` of
 # it: held from there it would go to an idle worker and recompute its prefix.
-# Decodes that have run within this share of the TPOT SLO lately keep it with room to spare:
-# then the switchyard policy lets the KV a colocated worker decodes only break ties
-# (``Fleet.decode_slack``; ``policies._QUEUE_WEIGHT``'s note).
-_DECODE_SLACK = 0.5
 _HOLD_BUSY = 0.5
 _HOLD_REUSE = 0.5
 _HOLD_S = 0.15

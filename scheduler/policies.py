@@ -202,15 +202,13 @@ class Switchyard:
             safe = predicted <= _SAFE_SHARE * view.ttft_budget_s
             if safe.any():
                 colocated = fleet.colocated[slots] != 0
-                kv = fleet.kv[slots]
-                if fleet.decode_slack:  # the KV only breaks ties (``_QUEUE_WEIGHT``'s note)
-                    work = np.where(colocated, uncached + _QUEUE_WEIGHT * load, uncached)
-                    safe &= work == work[safe].min()
-                    tie = np.where(colocated, kv, 0.0)
-                    safe &= tie == tie[safe].min()
-                else:
-                    work = np.where(colocated, (uncached + _QUEUE_WEIGHT * load) + kv, uncached)
-                    safe &= work == work[safe].min()
+                kv = np.where(colocated, fleet.kv[slots], 0.0)
+                queued = uncached + _QUEUE_WEIGHT * load
+                # While decodes have slack the KV only breaks ties (``_QUEUE_WEIGHT``'s note).
+                work = np.where(colocated, queued if fleet.decode_slack else queued + kv, uncached)
+                safe &= work == work[safe].min()
+                if fleet.decode_slack:
+                    safe &= kv == kv[safe].min()
                 safe &= predicted == predicted[safe].min()
                 return lowest_id(fleet, slots[safe])
         best = lowest_id(fleet, slots[predicted == predicted.min()])
