@@ -33,7 +33,7 @@
 
 /* --- buffers ---------------------------------------------------------------------- */
 
-#define MAX_BUFFERS 12
+#define MAX_BUFFERS 16
 
 typedef struct {
     Py_buffer view[MAX_BUFFERS];
@@ -399,21 +399,24 @@ done:
  * ``check_kv`` when the fleet has colocated workers), and among those that do, when
  * ``limit`` (half the time left before the TTFT SLO) is finite and some worker's predicted
  * TTFT is within it, the least work among those (on a colocated worker its queue counts
- * ``queue_weight`` times, and the KV it decodes ``kv_weight`` times), then (``kv_weight`` 0)
- * the least KV a colocated worker decodes, then the quickest; else the quickest. */
+ * ``queue_weight`` times, and the KV it decodes ``kv_weight`` times), then a colocated worker
+ * whose decodes have room for the prompt (``room_edge - placed``: ``WorkerState.room_tokens``)
+ * before one whose decodes have not, then (``kv_weight`` 0) the least KV a colocated worker
+ * decodes, then the quickest; else the quickest. */
 static PyObject *choose_prefill(PyObject *self, PyObject *args) {
     PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_rank, *o_slots, *o_rows,
-        *o_blocks, *o_device;
+        *o_blocks, *o_device, *o_placed, *o_edge;
     long long prompt, block_size, decode_tokens;
     double fetch_credit, limit, queue_weight, kv_weight;
     int check_kv;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOLLdLpddd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOLLdLpdddOO", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
                           &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt, &block_size,
-                          &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_weight))
+                          &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_weight, &o_placed,
+                          &o_edge))
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
-    double *load, *rate, *budget, *kv, *kvcap, *holding, *coloc;
+    double *load, *rate, *budget, *kv, *kvcap, *holding, *coloc, *placed, *edge;
     int64_t *rank, *slots, *rows;
     int32_t *blocks, *device;
     Py_ssize_t nfleet, n, nrows, nblocks, ndevice, k;
@@ -423,13 +426,15 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
         k != nfleet || !(coloc = take(&b, o_coloc, 8, 0, &k)) || k != nfleet ||
         !(rank = take(&b, o_rank, 8, 0, &k)) || k != nfleet || !(slots = take(&b, o_slots, 8, 0, &n)) ||
         !(rows = take(&b, o_rows, 8, 0, &nrows)) || nrows != nfleet || !(blocks = take(&b, o_blocks, 4, 0, &nblocks)) ||
-        !(device = take(&b, o_device, 4, 0, &ndevice)) || ndevice != nblocks) {
+        !(device = take(&b, o_device, 4, 0, &ndevice)) || ndevice != nblocks ||
+        !(placed = take(&b, o_placed, 8, 0, &k)) || k != nfleet || !(edge = take(&b, o_edge, 8, 0, &k)) || k != nfleet) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
         goto done;
     }
     int slo = limit < INFINITY; /* -inf (a late request): nothing is safe, the quickest wins */
     int any_safe = 0;
     double best_work = INFINITY, best_tie = INFINITY, best_pred = INFINITY, best_need = 0.0;
+    int best_crowds = 1;
     int64_t best = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = slots[i];
@@ -464,12 +469,16 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
                 work = uncached + queue_weight * load[s];
                 tie = kv[s];
             }
-            if (!any_safe || work < best_work || (work == best_work && (tie < best_tie || (tie == best_tie && pred < best_pred)))) {
+            int crowds = coloc[s] != 0.0 && uncached > edge[s] - placed[s];
+            int same_work = work == best_work, same_crowds = same_work && crowds == best_crowds;
+            if (!any_safe || work < best_work || (same_work && crowds < best_crowds) ||
+                (same_crowds && (tie < best_tie || (tie == best_tie && pred < best_pred)))) {
                 any_safe = 1;
                 best_work = work;
+                best_crowds = crowds;
                 best_tie = tie;
                 best_pred = pred;
-            } else if (!(work == best_work && tie == best_tie && pred == best_pred && rank[s] < rank[best])) {
+            } else if (!(same_crowds && tie == best_tie && pred == best_pred && rank[s] < rank[best])) {
                 continue; /* worse, or tied with a lower id */
             }
         } else {

@@ -75,5 +75,7 @@ def choose_prefill(
     limit: float,
     queue_weight: float,
     kv_weight: float,
+    placed: Buffer,
+    room_edge: Buffer,
 ) -> tuple[int, float] | None: ...
 def choose_decode(load: Buffer, budget: Buffer, running: Buffer, rank: Buffer, slots: Buffer, tokens: int) -> int: ...

@@ -478,6 +478,17 @@ class SchedulerCore:
         if tracked.decode_started is not None and tracked.phase == "decode":
             self._decode_s = (1 - _RATE_WEIGHT) * self._decode_s + _RATE_WEIGHT * (now - tracked.decode_started)
 
+    def _decode_room(self, tracked: Tracked, worker: WorkerState) -> float:
+        """Prompt tokens a colocated worker can take beside a decode before it misses the
+        TPOT SLO: each prompt token stalls its steps by one token's compute (chunked
+        prefill), and its steps can take the SLO less what decodes have taken lately, over
+        its tokens after the first (each choice's). Infinite without a TPOT SLO or a measure yet."""
+        slo, recent = self.config.tpot_slo_s, self._lending.tpot[worker.worker_id in self.fleet.lent]
+        if slo <= 0 or not recent:
+            return math.inf
+        room = max(0, tracked.spec.sampling.max_tokens - 1) * max(0.0, slo - recent) * worker.prefill_rate
+        return room - worker.load_tokens
+
     def _lend(self, tracked: Tracked, finished: RequestFinished, now: float) -> None:
         """Colocated workers lent to decoding, and back (``Lending``), from the time per
         output token of each finished decode."""
@@ -782,6 +793,8 @@ class SchedulerCore:
         worker, spec = placement.worker, tracked.spec
         tracked.dispatched_at, tracked.ahead_tokens = now, worker.load_tokens + placement.tokens
         worker.assign(spec.request_id, placement.tokens)
+        if worker.role == "both":
+            worker.placed_tokens += placement.tokens
         # A colocated worker decodes what it prefilled, unless some are lent to decoding.
         local = placement.kind == "local" or (worker.role == "both" and not self.fleet.lent)
         tracked.phase, tracked.worker_id, tracked.local = "prefill", worker.worker_id, local
@@ -814,7 +827,7 @@ class SchedulerCore:
         tracked.prefill, tracked.attempts = done, 0
         if tracked.local:  # decodes where it prefilled
             if worker.role == "both":
-                worker.hold(done.request_id, tracked.decode_tokens)
+                worker.hold(done.request_id, tracked.decode_tokens, self._decode_room(tracked, worker))
             else:
                 worker.assign(done.request_id, tracked.decode_tokens)
             tracked.phase, tracked.decode_started = "decode", now
@@ -911,7 +924,7 @@ class SchedulerCore:
         done = tracked.prefill
         assert done is not None
         if worker.role == "both":
-            worker.hold(tracked.spec.request_id, tracked.decode_tokens)
+            worker.hold(tracked.spec.request_id, tracked.decode_tokens, self._decode_room(tracked, worker))
         else:
             worker.assign(tracked.spec.request_id, tracked.decode_tokens)
         tracked.phase, tracked.worker_id = "decode", worker.worker_id

@@ -174,6 +174,7 @@ class Switchyard:
                     safe,
                     key=lambda w: (
                         self.work(w, view, kv=not slack),
+                        self.crowds(w, view),
                         w.kv_tokens if slack and w.role == "both" else 0,
                         self.predicted_ttft_s(w, view),
                         w.worker_id,
@@ -207,6 +208,8 @@ class Switchyard:
                 # While decodes have slack the KV only breaks ties (``_QUEUE_WEIGHT``'s note).
                 work = np.where(colocated, queued if fleet.decode_slack else queued + kv, uncached)
                 safe &= work == work[safe].min()
+                crowds = colocated & (uncached > fleet.room_edge[slots] - fleet.placed[slots])
+                safe &= crowds == crowds[safe].min()
                 if fleet.decode_slack:
                     safe &= kv == kv[safe].min()
                 safe &= predicted == predicted[safe].min()
@@ -236,7 +239,7 @@ class Switchyard:
             fleet.load, fleet.rate, fleet.fit_budget(), fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
             fleet.id_rank(), slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size,
             fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, _QUEUE_WEIGHT,
-            0.0 if fleet.decode_slack else 1.0,
+            0.0 if fleet.decode_slack else 1.0, fleet.placed, fleet.room_edge,
         )  # fmt: skip
         if chosen is None:
             return None
@@ -260,6 +263,12 @@ class Switchyard:
             return view.uncached_tokens(worker)
         queued = view.uncached_tokens(worker) + _QUEUE_WEIGHT * worker.load_tokens
         return queued + worker.kv_tokens if kv else queued
+
+    @staticmethod
+    def crowds(worker: WorkerState, view: PlacementView) -> bool:
+        """Whether the prompt would push a decode on this colocated worker past its TPOT
+        SLO (``WorkerState.room_tokens``)."""
+        return worker.role == "both" and view.uncached_tokens(worker) > worker.room_tokens
 
     @staticmethod
     def predicted_ttft_s(worker: WorkerState, view: PlacementView) -> float:

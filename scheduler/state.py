@@ -48,6 +48,12 @@ class WorkerState:
     kv_capacity: int = 0
     held: dict[str, int] = field(default_factory=dict)
     kv_tokens: int = 0
+    # A colocated worker's decodes' room for prefill beside them: ``placed_tokens`` counts the
+    # prompt tokens ever placed on it, and each held decode keeps its SLO until that count
+    # passes the edge it was held with (``hold``); ``room_edge`` is the least such edge.
+    placed_tokens: float = 0.0
+    room_edges: dict[str, float] = field(default_factory=dict)
+    room_edge: float = math.inf
     last_report: LoadReport | None = None  # as reported: engine, boot time, engine counters
     fleet: Fleet | None = field(default=None, repr=False, compare=False)  # set by ``Fleet.add``
     slot: int = field(default=-1, repr=False, compare=False)  # its row in the fleet's arrays
@@ -76,14 +82,28 @@ class WorkerState:
         self.assigned[request_id] = tokens
         self.load_tokens += tokens
 
-    def hold(self, request_id: str, tokens: int) -> None:
+    def hold(self, request_id: str, tokens: int, room: float = math.inf) -> None:
+        """Decode ``request_id``'s ``tokens`` of KV here; it keeps its TPOT SLO through
+        ``room`` more prompt tokens placed here."""
         assert request_id not in self.held, request_id
         self.held[request_id] = tokens
         self.kv_tokens += tokens
+        if room < math.inf:
+            edge = self.room_edges[request_id] = self.placed_tokens + room
+            if edge < self.room_edge:
+                self.room_edge = edge
 
     def release(self, request_id: str) -> None:
         self.load_tokens -= self.assigned.pop(request_id, 0)
         self.kv_tokens -= self.held.pop(request_id, 0)
+        edge = self.room_edges.pop(request_id, math.inf)
+        if edge == self.room_edge:
+            self.room_edge = min(self.room_edges.values(), default=math.inf)
+
+    @property
+    def room_tokens(self) -> float:
+        """Prompt tokens that can be placed here before a decode it holds misses its SLO."""
+        return self.room_edge - self.placed_tokens
 
     def kv_room(self, tokens: int) -> bool:
         return not self.held or self.kv_tokens + tokens <= self.kv_capacity
@@ -128,7 +148,9 @@ class Tracked:
 # stands for ``len(assigned)`` and ``kv_tokens`` for ``len(held)``: every change to
 # ``assigned`` or ``held`` (``assign``, ``hold``, ``release``) is followed by setting those,
 # even to the same value.
-_MIRRORED = frozenset({"load_tokens", "kv_tokens", "token_budget", "kv_capacity", "last_seen", "role"})
+_MIRRORED = frozenset(
+    {"load_tokens", "kv_tokens", "token_budget", "kv_capacity", "last_seen", "role", "placed_tokens", "room_edge"}
+)
 # The arrays, and what a free slot reads.
 _ARRAYS = {
     "load": 0.0,  # load_tokens (float64: exact for any ledger, < 2**53 tokens)
@@ -141,6 +163,8 @@ _ARRAYS = {
     "kv_cap": 0.0,  # kv_capacity
     "colocated": 0.0,  # 1.0 for role "both"
     "last_seen": math.inf,
+    "placed": 0.0,  # placed_tokens
+    "room_edge": math.inf,
 }
 
 
@@ -168,6 +192,8 @@ class Fleet:
     kv_cap: npt.NDArray[np.float64]
     colocated: npt.NDArray[np.float64]
     last_seen: npt.NDArray[np.float64]
+    placed: npt.NDArray[np.float64]
+    room_edge: npt.NDArray[np.float64]
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerState] = {}
@@ -282,6 +308,10 @@ class Fleet:
             self.kv[slot], self.holding[slot] = value, len(worker.held)
         elif name == "last_seen":
             self.last_seen[slot] = value
+        elif name == "placed_tokens":
+            self.placed[slot] = value
+        elif name == "room_edge":
+            self.room_edge[slot] = value
         elif name == "role":
             assert value == worker.role, "a worker's role is fixed: it registers again under a new one"
         else:  # token_budget, kv_capacity: the decode capacity too
@@ -423,6 +453,8 @@ class Fleet:
             "kv_cap": worker.kv_capacity,
             "colocated": float(worker.role == "both"),
             "last_seen": worker.last_seen,
+            "placed": worker.placed_tokens,
+            "room_edge": worker.room_edge,
         }
 
     def check_invariants(self) -> None:

@@ -198,8 +198,9 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
                 worker.token_budget = rng.choice([600, 1_100, 100_000])
                 for rid in list(worker.held):
                     worker.release(rid)
-                if worker.role == "both" and rng.random() < 0.5:
-                    worker.hold(f"kv{i}", rng.choice([100, 3_900]))
+                if worker.role == "both" and rng.random() < 0.5:  # its decodes' room: none to plenty
+                    worker.placed_tokens += rng.choice([0, 30])
+                    worker.hold(f"kv{i}", rng.choice([100, 1_500, 3_900]), rng.choice([math.inf, 0.0, 60.0, 200.0]))
             fleet.decode_slack = rng.random() < 0.5  # the KV decoded weighed, or a tie-break only
             keys = [*rng.choice(prefixes)[: rng.randrange(0, 9)], rng.randrange(1 << 63)]
             spec = msgspec.structs.replace(make_spec(f"r{i}", prompt_len=len(keys) * BLOCK_SIZE - 3), block_keys=keys)

@@ -160,6 +160,27 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
             1.0,
             4.0,
             1.0,
+            np.zeros(3),
+            np.zeros(3),
+        )
+    with pytest.raises(ValueError, match="differ in length"):  # a room edge of another fleet's size
+        native.choose_prefill(
+            *fleet,
+            np.zeros(3, dtype=np.int64),
+            np.array([0], dtype=np.intp),
+            np.zeros(3, dtype=np.intp),
+            out,
+            out.copy(),
+            10,
+            16,
+            0.0,
+            10,
+            False,
+            1.0,
+            4.0,
+            1.0,
+            np.zeros(3),
+            np.zeros(2),
         )
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from switchyard.scheduler import Dispatch, FailStream
 from switchyard.scheduler.policies import Switchyard
+from switchyard.scheduler.state import Tracked
 from switchyard.schemas import Admitted, LocalTask, PrefillTask
 from tests.support.factories import make_spec, prefill_done, request_finished
 from tests.unit.test_policies import tracked, view, worker
@@ -400,3 +401,43 @@ def test_while_decodes_run_well_within_the_tpot_slo_their_kv_only_breaks_ties() 
         assert placed(h.admit(make_spec("q", prompt_len=500))) == {"q": queued}  # same work: the KV breaks the tie
         expected = decoding if slack else queued
         assert placed(h.admit(make_spec("new", prompt_len=1_000))) == {"new": expected}, measured
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_prompt_goes_where_it_pushes_no_decode_past_the_tpot_slo_between_workers_of_equal_work(
+    native: bool,
+) -> None:
+    # Decodes have lately taken 14 ms a token against a 50 ms SLO. c0 decodes a 3-token
+    # answer: 2 tokens after the first, 36 ms of slack each, room for some 600 prompt tokens
+    # at the rate learned then. c1 decodes a 500-token one (room for ~140,000) and holds more KV.
+    h = colocated(tpot_slo_s=0.05)
+    h.core.index.native = native  # the C loop, or the numpy path
+    warm = make_spec("warm", prompt_len=100, max_tokens=8)
+    assert placed(h.admit(warm)) == {"warm": "c0"}
+    h.event(prefill_done(warm, "c0", prefill_s=0.01))
+    h.clock.advance(0.1)
+    h.event(request_finished(warm, "c0"))
+    assert h.core.fleet.decode_slack
+    for rid, prompt, answer, worker_id in (("short", 1_000, 3, "c0"), ("long", 3_000, 500, "c1")):
+        spec = make_spec(rid, prompt_len=prompt, max_tokens=answer)
+        assert placed(h.admit(spec)) == {rid: worker_id}
+        h.event(prefill_done(spec, worker_id, prefill_s=0.1))
+        worker, recent = h.core.workers[worker_id], h.core._lending.tpot[False]
+        assert worker.room_tokens == pytest.approx((answer - 1) * (0.05 - recent) * worker.prefill_rate)
+    c0, c1 = h.core.workers["c0"], h.core.workers["c1"]
+    room = c0.room_tokens
+    assert 400 < room < 1_000 < c0.kv_tokens < c1.kv_tokens and c1.room_tokens > 50_000
+    # A prompt c0's room takes: the least KV breaks the tie, as before.
+    small = make_spec("small", prompt_len=300)
+    assert placed(h.admit(small)) == {"small": "c0"}
+    h.event(prefill_done(small, "c0", prefill_s=0.05))
+    assert c0.room_tokens == room - 300  # what it took
+    # One it does not: c1, though it decodes more KV.
+    big = make_spec("big", prompt_len=2_000)
+    tracked_big = Tracked(spec=big, enqueued_at=0.0, order=99)
+    by_worker = h.core.placer.prefill(tracked_big, list(h.core.fleet.prefill.values()), None, SLO)
+    assert by_worker is not None and by_worker.worker.worker_id == "c1"  # the list path too
+    assert placed(h.admit(big)) == {"big": "c1"}
+    # The room only breaks ties: with c1's ledger holding the big prompt, c0 takes the next
+    # one though it pushes c0's short answer past the SLO.
+    assert placed(h.admit(make_spec("next", prompt_len=2_000))) == {"next": "c0"}
