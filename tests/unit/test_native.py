@@ -144,44 +144,17 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
         native.choose_decode(*fleet[:3], np.zeros(2, dtype=np.int64), np.array([0], dtype=np.intp), 10)
     with pytest.raises(IndexError, match="past the fleet"):
         native.choose_decode(*fleet[:3], np.zeros(3, dtype=np.int64), np.array([3], dtype=np.intp), 10)
+    scalars = (10, 16, 0.0, 10, False, 1.0, 4.0, 1.0)  # prompt .. kv_weight
     with pytest.raises(IndexError, match="past the fleet"):
         native.choose_prefill(
-            *fleet,
-            np.zeros(3, dtype=np.int64),
-            np.array([7], dtype=np.intp),
-            np.zeros(3, dtype=np.intp),
-            out,
-            out.copy(),
-            10,
-            16,
-            0.0,
-            10,
-            False,
-            1.0,
-            4.0,
-            1.0,
-            np.zeros(3),
-            np.zeros(3),
-        )
+            *fleet, np.zeros(3, dtype=np.int64), np.array([7], dtype=np.intp), np.zeros(3, dtype=np.intp),
+            out, out.copy(), *scalars, np.zeros(3), np.zeros(3),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="differ in length"):  # a room edge of another fleet's size
         native.choose_prefill(
-            *fleet,
-            np.zeros(3, dtype=np.int64),
-            np.array([0], dtype=np.intp),
-            np.zeros(3, dtype=np.intp),
-            out,
-            out.copy(),
-            10,
-            16,
-            0.0,
-            10,
-            False,
-            1.0,
-            4.0,
-            1.0,
-            np.zeros(3),
-            np.zeros(2),
-        )
+            *fleet, np.zeros(3, dtype=np.int64), np.array([0], dtype=np.intp), np.zeros(3, dtype=np.intp),
+            out, out.copy(), *scalars, np.zeros(3), np.zeros(2),
+        )  # fmt: skip
 
 
 def test_a_lookup_writes_only_the_slots_it_was_given() -> None:
