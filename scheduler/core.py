@@ -480,9 +480,11 @@ class SchedulerCore:
 
     def _decode_room(self, tracked: Tracked, worker: WorkerState) -> float:
         """Prompt tokens a colocated worker can take beside a decode before it misses the
-        TPOT SLO: each prompt token stalls its steps by one token's compute (chunked
-        prefill), and its steps can take the SLO less what decodes have taken lately, over
-        its tokens after the first (each choice's). Infinite without a TPOT SLO or a measure yet."""
+        TPOT SLO: each prompt token stalls the decode's steps by one token's compute at the
+        worker's prefill rate (chunked prefill), and over its tokens after the first (of one
+        choice: n choices step together) it can spend the SLO less what decodes have taken
+        a token lately; the prompts already on the worker's ledger will stall it too.
+        Infinite without a TPOT SLO or before any decode was measured."""
         slo, recent = self.config.tpot_slo_s, self._lending.tpot[worker.worker_id in self.fleet.lent]
         if slo <= 0 or not recent:
             return math.inf

@@ -56,7 +56,8 @@ _QUEUE_WEIGHT = 4.0
 # ...and the KV decoding there counts only while decodes run slow: while they have run within
 # half the TPOT SLO lately (``Fleet.decode_slack``, set by the core), it only breaks ties
 # between workers whose prompt and queue cost the same, for then the decodes keep their SLO
-# with room to spare and what the prompt would wait for is the queue.
+# with room to spare and what the prompt would wait for is the queue. Before that KV, between
+# workers of equal work, one whose decodes have room for the prompt goes first (``crowds``).
 
 
 @dataclass(frozen=True)
