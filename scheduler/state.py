@@ -97,7 +97,7 @@ class WorkerState:
         self.load_tokens -= self.assigned.pop(request_id, 0)
         self.kv_tokens -= self.held.pop(request_id, 0)
         edge = self.room_edges.pop(request_id, math.inf)
-        if edge == self.room_edge:
+        if edge < math.inf and edge == self.room_edge:  # the least edge left; none set: nothing to mirror
             self.room_edge = min(self.room_edges.values(), default=math.inf)
 
     @property
