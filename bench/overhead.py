@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -33,6 +34,8 @@ from switchyard import procs
 from switchyard.bench import plots
 from switchyard.bench import stack as bench_stack
 from switchyard.bench.stats import percentile
+
+_DRAIN_S = 10.0  # bare pub/sub: how long the subscriber may lag the publisher's last message
 
 MODEL = "switchyard-sim"
 PROMPT = [{"role": "user", "content": "Measure the yard: how long does a token take to get through?"}]
@@ -280,7 +283,7 @@ async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -
         await sub_nc.flush()
         received = 0
         sent = 0
-        done = anyio.Event()
+        done, drained = anyio.Event(), anyio.Event()
 
         async def consume():
             nonlocal received
@@ -288,6 +291,7 @@ async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -
                 codec.STREAM_BATCH.decode(msg.data)
                 received += 1
                 if done.is_set() and received >= sent:
+                    drained.set()
                     return
 
         started = time.perf_counter()
@@ -303,7 +307,16 @@ async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -
             await pub.publish("bench.tokens", payload)
             sent += 1
             await pub.flush()
+            # A subscriber the server finds too slow loses messages, and then the count never
+            # comes up to ``sent``: wait for the rest a while, not forever.
+            with anyio.move_on_after(_DRAIN_S):
+                await drained.wait()
+            tg.cancel_scope.cancel()
         elapsed = time.perf_counter() - started
+        if received < sent:
+            print(
+                f"bare pub/sub: {sent - received} of {sent} messages never arrived (a slow consumer)", file=sys.stderr
+            )
         return received * tokens_per_message / elapsed
     finally:
         await pub.close()

@@ -9,31 +9,31 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from switchyard import procs
 
 
 def test_bench_overhead_quick_run_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "overhead"
-    run = subprocess.run(
-        procs.service_command(
-            "bench",
-            "overhead",
-            "--out",
-            str(out),
-            "--ttft-requests",
-            "15",
-            "--seconds",
-            "1",
-            "--concurrency",
-            "1,8",
-            "--stream-tokens",
-            "32",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=procs.child_env(),
+    command = procs.service_command(
+        "bench",
+        "overhead",
+        "--out",
+        str(out),
+        "--ttft-requests",
+        "15",
+        "--seconds",
+        "1",
+        "--concurrency",
+        "1,8",
+        "--stream-tokens",
+        "32",
     )
+    try:  # under pytest's 120 s, so that a hung run fails here, with what it printed
+        run = subprocess.run(command, capture_output=True, text=True, timeout=100, env=procs.child_env())
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"bench overhead did not finish in 100 s; stdout: {hung.stdout!r}; stderr: {hung.stderr!r}")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "time to first token" in run.stdout and "streamed tokens/s" in run.stdout
     results = json.loads((out / "results.json").read_text())
