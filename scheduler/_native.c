@@ -154,7 +154,7 @@ static int any_bit(const uint64_t *a, Py_ssize_t nwords) {
  *
  * ``PrefixIndex._walk`` and ``_by_slot``: the leading blocks of ``block_keys`` each worker
  * of ``wanted`` reaches on any tier into ``blocks``, and on its device tier into
- * ``device`` (int32 arrays by worker slot, zeroed by the caller, one entry per worker
+ * ``device`` (int32 arrays by worker slot, zeroed here first, one entry per worker
  * slot), and the matched keys stamped as used, the prefix last. Returns the new clock. */
 static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *keys, *stamp, *holder, *tiers, *masks, *wanted, *block_keys, *blocks_obj, *device_obj;
@@ -178,6 +178,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "blocks and device differ in length");
         goto done;
     }
+    memset(out_blocks, 0, (size_t)nslots * sizeof(int32_t));
+    memset(out_device, 0, (size_t)nslots * sizeof(int32_t));
     Py_ssize_t nwords = (nslots + 63) / 64, n = PyList_GET_SIZE(block_keys);
     if (nwords == 0) nwords = 1; /* no worker: every mask is 0, one word says so */
     uint64_t *words = stack;
@@ -389,9 +391,13 @@ done:
 
 /* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, rank, slots, rows, blocks,
  *                device, prompt, block_size, fetch_credit, decode_tokens, check_kv, limit,
- *                queue_weight, kv_weight)
+ *                queue_weight, kv_weight, placed, room_edge, factor, prefill_scale, both_scale)
  *   -> (slot, need) of the best worker, ties to the lowest ``rank`` (the fleet's order of
  *      worker ids, so the lowest id); None if none fits
+ *
+ * A worker's prefill rate is ``factor * prefill_scale`` (``both_scale`` for a colocated one)
+ * where that scale is a number, else ``rate``: ``Fleet.native_rates``, whose ``rate`` is not
+ * rewritten after every learnt sample.
  *
  * ``Placer._prefill_by_slot`` with ``Switchyard.choose_slots``: over the fleet's workers at
  * ``slots`` (each one's index slot ``rows[slot]``, past ``blocks`` for a worker the index
@@ -405,18 +411,18 @@ done:
  * decodes, then the quickest; else the quickest. */
 static PyObject *choose_prefill(PyObject *self, PyObject *args) {
     PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_rank, *o_slots, *o_rows,
-        *o_blocks, *o_device, *o_placed, *o_edge;
+        *o_blocks, *o_device, *o_placed, *o_edge, *o_factor;
     long long prompt, block_size, decode_tokens;
-    double fetch_credit, limit, queue_weight, kv_weight;
+    double fetch_credit, limit, queue_weight, kv_weight, prefill_scale, both_scale;
     int check_kv;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOLLdLpdddOO", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap, &o_holding,
-                          &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt, &block_size,
-                          &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_weight, &o_placed,
-                          &o_edge))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOLLdLpdddOOOdd", &o_load, &o_rate, &o_budget, &o_kv, &o_kvcap,
+                          &o_holding, &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt,
+                          &block_size, &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_weight,
+                          &o_placed, &o_edge, &o_factor, &prefill_scale, &both_scale))
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
-    double *load, *rate, *budget, *kv, *kvcap, *holding, *coloc, *placed, *edge;
+    double *load, *rate, *budget, *kv, *kvcap, *holding, *coloc, *placed, *edge, *factor;
     int64_t *rank, *slots, *rows;
     int32_t *blocks, *device;
     Py_ssize_t nfleet, n, nrows, nblocks, ndevice, k;
@@ -427,7 +433,8 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
         !(rank = take(&b, o_rank, 8, 0, &k)) || k != nfleet || !(slots = take(&b, o_slots, 8, 0, &n)) ||
         !(rows = take(&b, o_rows, 8, 0, &nrows)) || nrows != nfleet || !(blocks = take(&b, o_blocks, 4, 0, &nblocks)) ||
         !(device = take(&b, o_device, 4, 0, &ndevice)) || ndevice != nblocks ||
-        !(placed = take(&b, o_placed, 8, 0, &k)) || k != nfleet || !(edge = take(&b, o_edge, 8, 0, &k)) || k != nfleet) {
+        !(placed = take(&b, o_placed, 8, 0, &k)) || k != nfleet || !(edge = take(&b, o_edge, 8, 0, &k)) || k != nfleet ||
+        !(factor = take(&b, o_factor, 8, 0, &k)) || k != nfleet) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
         goto done;
     }
@@ -436,6 +443,8 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
     double best_work = INFINITY, best_tie = INFINITY, best_pred = INFINITY, best_need = 0.0;
     int best_crowds = 1;
     int64_t best = -1;
+    int64_t last_nb = -1, last_nd = -1; /* no worker's: the first computes its own */
+    double uncached = 0.0, need = 1.0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = slots[i];
         if (s < 0 || s >= nfleet) {
@@ -444,19 +453,23 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
         }
         int64_t r = rows[s];
         int64_t nb = (r >= 0 && r < nblocks) ? blocks[r] : 0, nd = (r >= 0 && r < nblocks) ? device[r] : 0;
-        double uncached; /* _uncached */
-        if (nb > 0) {
-            int64_t fetchable = (nb - nd) * block_size;
-            double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
-            uncached = computed > 0.0 ? computed : 0.0;
-        } else {
-            uncached = (double)prompt;
+        if (nb != last_nb || nd != last_nd) { /* a worker's (blocks, device) is mostly its neighbour's */
+            last_nb = nb;
+            last_nd = nd;
+            if (nb > 0) { /* _uncached */
+                int64_t fetchable = (nb - nd) * block_size;
+                double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
+                uncached = computed > 0.0 ? computed : 0.0;
+            } else {
+                uncached = (double)prompt;
+            }
+            need = ceil(uncached); /* _fitting */
+            if (!(need >= 1.0)) need = 1.0;
         }
-        double need = ceil(uncached); /* _fitting */
-        if (!(need >= 1.0)) need = 1.0;
         if (!(load[s] == 0.0 || load[s] + need <= budget[s])) continue;
         if (check_kv && coloc[s] != 0.0 && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s])) continue;
-        double pred = (load[s] + uncached) / rate[s]; /* choose_slots */
+        double scale = coloc[s] != 0.0 ? both_scale : prefill_scale; /* NaN: ``rate`` holds it */
+        double pred = (load[s] + uncached) / (scale == scale ? factor[s] * scale : rate[s]); /* choose_slots */
         double work;
         int safe = slo && pred <= limit;
         if (safe) {

@@ -77,5 +77,8 @@ def choose_prefill(
     kv_weight: float,
     placed: Buffer,
     room_edge: Buffer,
+    factor: Buffer,
+    prefill_scale: float,
+    both_scale: float,
 ) -> tuple[int, float] | None: ...
 def choose_decode(load: Buffer, budget: Buffer, running: Buffer, rank: Buffer, slots: Buffer, tokens: int) -> int: ...

@@ -153,6 +153,7 @@ class SchedulerCore:
         self.index = PrefixIndex(config.index_max_entries)
         self.sessions = SessionTable(config.session_ttl_s)
         self.placer = Placer(config, self.index)
+        self._slo_aware_on = config.ttft_slo_s > 0 and self.placer.policy.slo_aware  # fixed: read per request
         self._queue = FairQueue(_SIZE_WEIGHT if self._slo_aware() else 0.0)
         self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
         # Decode admission: the KV tokens (prompt + max_tokens) every request in flight can
@@ -417,10 +418,11 @@ class SchedulerCore:
         if rid in self.requests:
             return Rejected(request_id=rid, reason="invalid", message=f"duplicate request id {rid}")
         roles = self.fleet.roles
+        both = roles["both"]
         missing = [
             need
-            for need, able in (("prefill", ("prefill", "both")), ("decode", ("decode", "both")))
-            if not any(roles[role] for role in able)
+            for need, able in (("prefill", both or roles["prefill"]), ("decode", both or roles["decode"]))
+            if not able
         ]
         if missing:
             return Rejected(
@@ -627,7 +629,7 @@ class SchedulerCore:
         return self.placer.prefill(tracked, self.fleet, bound, budget_s)
 
     def _slo_aware(self) -> bool:
-        return self.config.ttft_slo_s > 0 and self.placer.policy.slo_aware
+        return self._slo_aware_on
 
     def _ttft_budget_s(self, tracked: Tracked, now: float) -> float:
         """Time left before this request misses the TTFT SLO (infinite: none to keep; minus
@@ -1016,7 +1018,7 @@ class SchedulerCore:
     def _touch(self, worker_id: str, now: float) -> None:
         worker = self.workers.get(worker_id)
         if worker is not None:
-            worker.last_seen = now
+            worker.touch(now)
 
     def _remove_worker(self, worker_id: str, now: float) -> list[Action]:
         worker = self.fleet.remove(worker_id)

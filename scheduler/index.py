@@ -460,7 +460,9 @@ class PrefixIndex:
         if not self.native:
             walk = self._walk(block_keys, wanted)
             return _by_slot(walk.stopped, len(self._ids)), _by_slot(walk.device_stopped, len(self._ids))
-        blocks, device = np.zeros(len(self._ids), dtype=np.int32), np.zeros(len(self._ids), dtype=np.int32)
+        n = len(self._ids)
+        both = np.empty(2 * n, dtype=np.int32)  # one allocation; the walk zeroes it
+        blocks, device = both[:n], both[n:]
         self._clock = _native.walk(
             self._keys, self._stamp, self._holder, self._tiers, self._shift, self._rows.masks, wanted,
             block_keys, self._clock, blocks, device,

@@ -236,11 +236,13 @@ class Switchyard:
         same choice), from the index's ``match_slots`` arrays (``rows``: each fleet slot's
         index slot). The chosen worker and what its ledger takes, or None if none fits."""
         limit = _SAFE_SHARE * ttft_budget_s if ttft_budget_s < math.inf else math.inf
+        budget = fleet.fit_budget()  # (it reads the rates: before native_rates)
+        rate, prefill_scale, both_scale = fleet.native_rates()
         chosen = _native.choose_prefill(
-            fleet.load, fleet.rate, fleet.fit_budget(), fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
+            fleet.load, rate, budget, fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
             fleet.id_rank(), slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size,
             fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, _QUEUE_WEIGHT,
-            0.0 if fleet.decode_slack else 1.0, fleet.placed, fleet.room_edge,
+            0.0 if fleet.decode_slack else 1.0, fleet.placed, fleet.room_edge, fleet.factor, prefill_scale, both_scale,
         )  # fmt: skip
         if chosen is None:
             return None

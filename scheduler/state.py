@@ -10,8 +10,11 @@ those figures (``HeldRequest``): a scheduler taking over rebuilds this very ledg
 ``Fleet`` holds the workers, and mirrors what placement scores them by into numpy arrays
 by slot, so a policy may score the whole fleet in one vector expression instead of a
 Python loop over 1,000 workers (``docs/bench-scheduler.md``). A ``WorkerState`` in a fleet
-writes each mirrored field through to its slot as it is set (``__setattr__``): whoever
-sets ``load_tokens`` or ``prefill_rate``, the arrays cannot go stale.
+writes each mirrored field through to its slot as it is set (``__setattr__``; the ledger's
+own methods write theirs directly, the same writes without the call): whoever sets
+``load_tokens`` or ``prefill_rate``, the arrays cannot go stale. The one array written
+late is ``rate``: a learnt sample changes every rate of its role, and they are rewritten
+when next read (``Fleet.rate``), while the C placement multiplies them out as it scans.
 """
 
 from __future__ import annotations
@@ -59,15 +62,16 @@ class WorkerState:
     slot: int = field(default=-1, repr=False, compare=False)  # its row in the fleet's arrays
 
     def __setattr__(self, name: str, value: Any) -> None:
-        fleet = self.__dict__.get("fleet")
-        if fleet is not None and name in _MIRRORED:
-            fleet.mirror(self, name, value)
+        if name in _MIRRORED:
+            fleet = self.__dict__.get("fleet")
+            if fleet is not None:
+                fleet.mirror(self, name, value)
         object.__setattr__(self, name, value)
 
     @property
     def prefill_rate(self) -> float:
         fleet = self.__dict__.get("fleet")
-        return self.own_rate if fleet is None else float(fleet.rate[self.slot])
+        return self.own_rate if fleet is None else fleet.rate_of(self)
 
     @prefill_rate.setter
     def prefill_rate(self, value: float) -> None:
@@ -77,28 +81,62 @@ class WorkerState:
         else:
             fleet.set_rate(self, value)
 
+    # The ledger's hot paths (``assign``, ``hold``, ``release``, ``touch``) write the mirrored
+    # fields and their slots themselves, as ``Fleet.mirror`` would: no ``__setattr__`` call.
+
     def assign(self, request_id: str, tokens: int) -> None:
-        assert request_id not in self.assigned, request_id
-        self.assigned[request_id] = tokens
-        self.load_tokens += tokens
+        assigned, d = self.assigned, self.__dict__
+        assert request_id not in assigned, request_id
+        assigned[request_id] = tokens
+        load = d["load_tokens"] = d["load_tokens"] + tokens
+        fleet = d["fleet"]
+        if fleet is not None:
+            slot = d["slot"]
+            fleet.load[slot], fleet.running[slot] = load, len(assigned)
 
     def hold(self, request_id: str, tokens: int, room: float = math.inf) -> None:
         """Decode ``request_id``'s ``tokens`` of KV here; it keeps its TPOT SLO through
         ``room`` more prompt tokens placed here."""
-        assert request_id not in self.held, request_id
-        self.held[request_id] = tokens
-        self.kv_tokens += tokens
+        held, d = self.held, self.__dict__
+        assert request_id not in held, request_id
+        held[request_id] = tokens
+        kv = d["kv_tokens"] = d["kv_tokens"] + tokens
+        fleet = d["fleet"]
+        if fleet is not None:
+            slot = d["slot"]
+            fleet.kv[slot], fleet.holding[slot] = kv, len(held)
         if room < math.inf:
             edge = self.room_edges[request_id] = self.placed_tokens + room
             if edge < self.room_edge:
                 self.room_edge = edge
 
     def release(self, request_id: str) -> None:
-        self.load_tokens -= self.assigned.pop(request_id, 0)
-        self.kv_tokens -= self.held.pop(request_id, 0)
-        edge = self.room_edges.pop(request_id, math.inf)
-        if edge < math.inf and edge == self.room_edge:  # the least edge left; none set: nothing to mirror
-            self.room_edge = min(self.room_edges.values(), default=math.inf)
+        d = self.__dict__
+        fleet = d["fleet"]
+        assigned, held = d["assigned"], d["held"]
+        tokens = assigned.pop(request_id, None)
+        if tokens is not None:
+            load = d["load_tokens"] = d["load_tokens"] - tokens
+            if fleet is not None:
+                fleet.load[d["slot"]], fleet.running[d["slot"]] = load, len(assigned)
+        tokens = held.pop(request_id, None)
+        if tokens is not None:
+            kv = d["kv_tokens"] = d["kv_tokens"] - tokens
+            if fleet is not None:
+                fleet.kv[d["slot"]], fleet.holding[d["slot"]] = kv, len(held)
+        edges = d["room_edges"]
+        if edges:
+            edge = edges.pop(request_id, math.inf)
+            if edge < math.inf and edge == self.room_edge:  # the least edge left; none set: nothing to mirror
+                self.room_edge = min(edges.values(), default=math.inf)
+
+    def touch(self, now: float) -> None:
+        """Heard from at ``now``."""
+        d = self.__dict__
+        d["last_seen"] = now
+        fleet = d["fleet"]
+        if fleet is not None:
+            fleet.last_seen[d["slot"]] = now
 
     @property
     def room_tokens(self) -> float:
@@ -186,7 +224,7 @@ class Fleet:
     running: npt.NDArray[np.float64]
     kv: npt.NDArray[np.float64]
     holding: npt.NDArray[np.float64]
-    rate: npt.NDArray[np.float64]
+    _rate: npt.NDArray[np.float64]  # ``rate``, which may lag ``factor`` (see ``learn_rate``)
     factor: npt.NDArray[np.float64]
     budget: npt.NDArray[np.float64]
     kv_cap: npt.NDArray[np.float64]
@@ -215,6 +253,9 @@ class Fleet:
         # by the core): then ``switchyard`` weighs the KV they decode only to break ties.
         self.decode_slack = False
         self.ids: list[str | None] = []  # slot -> worker id
+        # Roles whose rates ``learn_rate`` changed and ``rate`` has not yet been rewritten
+        # for: their rates are ``factor`` times ``_rate_scale`` (``rate_of``, ``native_rates``).
+        self._stale_rates: set[str] = set()
         for name in _ARRAYS:
             setattr(self, name, np.zeros(0))
         self.version = 0  # bumped when a worker joins or leaves
@@ -233,6 +274,7 @@ class Fleet:
 
     def add(self, worker: WorkerState) -> None:
         assert worker.worker_id not in self.workers and worker.fleet is None, worker.worker_id
+        self._write_rates()  # before the scales move
         slot = self._free_slot()
         self.ids[slot] = worker.worker_id
         self.workers[worker.worker_id] = worker
@@ -259,6 +301,7 @@ class Fleet:
         self.version += 1
 
     def remove(self, worker_id: str) -> WorkerState | None:
+        self._write_rates()  # before the scales move
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return None
@@ -322,6 +365,7 @@ class Fleet:
 
     def set_rate(self, worker: WorkerState, rate: float) -> None:
         """Set one worker's prefill rate (its raw factor), leaving the others' as they are."""
+        self._write_rates()  # before the scale moves
         role, slot = worker.role, worker.slot
         scale = self._rate_scale(role)
         factor = rate / scale
@@ -337,26 +381,73 @@ class Fleet:
         samples (``weight``), times its own factor, learnt slowly (``own_weight``) from how
         its samples compare with the shared rate. Factors are kept raw, each worker's
         relative one being its raw factor over the role's mean (so they average 1): one
-        sample changes one factor and the scale, and the rates are one vector product. On
+        sample changes one factor and the scale, and the rates are one vector product
+        (made when ``rate`` is next read: ``_stale_rates``). On
         a fleet of unlike GPUs the factors come to say which is faster; with one worker,
         the rate is its own, learnt at ``weight``."""
-        role, slot = worker.role, worker.slot
-        mean = self._factor_sum[role] / self.roles[role]
-        relative = self.factor[slot] / mean
-        shared = (1 - weight) * self.shared_rate[role] + weight * sample / relative
+        # Python floats, not numpy scalars, in the scalar steps: the same IEEE operations on
+        # the same values, at a fraction of the cost (this runs once per prefill).
+        role, slot, factors = worker.role, worker.slot, self.factor
+        factor_sum, n = float(self._factor_sum[role]), self.roles[role]
+        mean = factor_sum / n
+        old = float(factors[slot])
+        relative = old / mean
+        shared = (1 - weight) * float(self.shared_rate[role]) + weight * sample / relative
         relative = (1 - own_weight) * relative + own_weight * sample / shared
-        self._factor_sum[role] += relative * mean - self.factor[slot]
-        self.factor[slot] = relative * mean
+        new = relative * mean
+        factor_sum += new - old
+        factors[slot] = new
         self.shared_rate[role] = shared
         slots = self._slots_of_role(role)
         if not 0.5 < mean < 2.0:  # raw factors drift together: bring them back (the rates stay)
-            self.factor[slots] /= mean
-            self._factor_sum[role] /= mean
-        scale = self._rate_scale(role)
-        if isinstance(slots, slice):
-            np.multiply(self.factor[slots], scale, out=self.rate[slots])
-        else:
-            self.rate[slots] = self.factor[slots] * scale
+            factors[slots] /= mean
+            factor_sum /= mean
+        self._factor_sum[role] = factor_sum
+        # Every rate of the role is now its factor times the new scale: written when next
+        # read (``rate``), not once a prefill; the C placement multiplies them as it goes.
+        self._stale_rates.add(role)
+
+    @property
+    def rate(self) -> npt.NDArray[np.float64]:
+        """By slot, the worker's prefill rate (uncached tokens/s)."""
+        if self._stale_rates:
+            self._write_rates()
+        return self._rate
+
+    @rate.setter
+    def rate(self, value: npt.NDArray[np.float64]) -> None:
+        self._write_rates()
+        self._rate = value
+
+    def rate_of(self, worker: WorkerState) -> float:
+        """One worker's ``rate``, without writing the others'."""
+        slot = worker.slot
+        if worker.role in self._stale_rates:
+            return float(self.factor[slot]) * self._rate_scale(worker.role)
+        return float(self._rate[slot])
+
+    def native_rates(self) -> tuple[npt.NDArray[np.float64], float, float]:
+        """For ``_native.choose_prefill``: ``rate`` as last written, and the scale its factor
+        is multiplied by for a worker of role ``prefill`` and one of ``both`` whose rate
+        is not written yet (NaN: ``rate`` holds it): the same products ``rate`` would hold."""
+        stale, nan = self._stale_rates, math.nan
+        return (
+            self._rate,
+            self._rate_scale("prefill") if "prefill" in stale else nan,
+            self._rate_scale("both") if "both" in stale else nan,
+        )
+
+    def _write_rates(self) -> None:
+        stale = self.__dict__.get("_stale_rates")
+        if not stale:
+            return
+        for role in stale:
+            slots, scale = self._slots_of_role(role), self._rate_scale(role)
+            if isinstance(slots, slice):
+                np.multiply(self.factor[slots], scale, out=self._rate[slots])
+            else:
+                self._rate[slots] = self.factor[slots] * scale
+        stale.clear()
 
     def _rate_scale(self, role: str) -> float:
         """A worker's prefill rate over its raw factor, for workers of ``role``."""

@@ -46,6 +46,9 @@ def test_counters_and_arrays_follow_every_change() -> None:
                 worker.prefill_rate = rng.choice([4_000.0, 8_000.0])
             else:
                 fleet.learn_rate(worker, rng.choice([3_000.0, 9_000.0]), 0.2, 0.02)
+                # Read before ``rate`` is written again (``Fleet.rate_of``): the very same rates.
+                lazily = [w.prefill_rate for w in fleet]
+                assert lazily == [fleet.rate[w.slot] for w in fleet]
             worker.token_budget = rng.choice([2_000, 5_000])
             worker.kv_capacity = rng.choice([0, 4_000])
             worker.last_seen = float(step)
@@ -201,6 +204,9 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
                 if worker.role == "both" and rng.random() < 0.5:  # its decodes' room: none to plenty
                     worker.placed_tokens += rng.choice([0, 30])
                     worker.hold(f"kv{i}", rng.choice([100, 1_500, 3_900]), rng.choice([math.inf, 0.0, 60.0, 200.0]))
+            if rng.random() < 0.5:  # learnt rates, which the C loop reads before they are written
+                for worker in rng.sample(sorted(fleet.prefill.values(), key=lambda w: w.worker_id), 3):
+                    fleet.learn_rate(worker, rng.choice([5_000.0, 9_000.0]), 0.2, 0.02)
             fleet.decode_slack = rng.random() < 0.5  # the KV decoded weighed, or a tie-break only
             keys = [*rng.choice(prefixes)[: rng.randrange(0, 9)], rng.randrange(1 << 63)]
             spec = msgspec.structs.replace(make_spec(f"r{i}", prompt_len=len(keys) * BLOCK_SIZE - 3), block_keys=keys)

@@ -4,6 +4,7 @@ placements (``test_fleet.py`` runs its placement comparison both ways too)."""
 
 from __future__ import annotations
 
+import math
 import random
 from array import array
 
@@ -148,12 +149,12 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
     with pytest.raises(IndexError, match="past the fleet"):
         native.choose_prefill(
             *fleet, np.zeros(3, dtype=np.int64), np.array([7], dtype=np.intp), np.zeros(3, dtype=np.intp),
-            out, out.copy(), *scalars, np.zeros(3), np.zeros(3),
+            out, out.copy(), *scalars, np.zeros(3), np.zeros(3), np.ones(3), math.nan, math.nan,
         )  # fmt: skip
     with pytest.raises(ValueError, match="differ in length"):  # a room edge of another fleet's size
         native.choose_prefill(
             *fleet, np.zeros(3, dtype=np.int64), np.array([0], dtype=np.intp), np.zeros(3, dtype=np.intp),
-            out, out.copy(), *scalars, np.zeros(3), np.zeros(2),
+            out, out.copy(), *scalars, np.zeros(3), np.zeros(2), np.ones(3), math.nan, math.nan,
         )  # fmt: skip
 
 
@@ -164,6 +165,7 @@ def test_a_lookup_writes_only_the_slots_it_was_given() -> None:
     index.load_snapshot(KvSnapshot(worker_id="a", seq=0, blocks={"cluster": [5, 6]}))
     room, device_room = np.zeros(64, dtype=np.int32), np.zeros(64, dtype=np.int32)
     blocks, device = room[:1], device_room[:1]  # one slot, in front of memory it must not touch
+    blocks[0], device[0] = 7, 7  # what was there before: the walk zeroes its slots first
     wide = (1 << 10) | (1 << 63) | 1  # the cluster tier keeps every wanted worker matching
     native.walk(
         index._keys, index._stamp, index._holder, index._tiers, index._shift, index._rows.masks, wide, [5, 6], 0,
