@@ -84,7 +84,8 @@ def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, stdout=None
 
 
 def stop(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
-    """SIGTERM each (in the order given), then SIGKILL whatever is still there."""
+    """SIGTERM each (in the order given), then SIGKILL whatever is still there, and then
+    what is left of its process group (``reap_group``)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -93,6 +94,21 @@ def stop(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        reap_group(proc)
+
+
+def reap_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the process group of a child ``spawn`` started, once the
+    child itself has exited. The child leads its own group, and what it started stays in
+    that group: a vLLM worker's engine core, above all, which does not die with its parent.
+    A worker killed (or crashed) outright leaves it running, holding the GPU's memory, and
+    the worker restarted in its place cannot allocate its own."""
+    if sys.platform != "linux" or proc.poll() is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in it (an id still in use as a group's is never given to a new process)
 
 
 @dataclass(frozen=True)

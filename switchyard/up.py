@@ -486,6 +486,7 @@ def supervise_once(children: list[_Child], max_restarts: int, window_s: float, n
             continue
         if child.process.poll() is None:
             continue
+        procs.reap_group(child.process)  # what it started goes with it: its engine, its GPU memory
         recent = child.crashed(now, window_s)
         code = child.process.returncode
         if recent > max_restarts:

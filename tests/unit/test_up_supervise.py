@@ -3,7 +3,11 @@ never stop the stack, while a crash loop still does."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+
+import pytest
 
 from switchyard import procs
 from switchyard.up import _Child, supervise_once
@@ -34,3 +38,63 @@ def test_a_crash_loop_within_the_window_stops_the_stack() -> None:
     assert _crash_at(children, now=0.0) is None
     assert _crash_at(children, now=5.0) is None
     assert _crash_at(children, now=10.0) == 1  # the third within 60 s, past max_restarts 2
+
+
+def _child_with_grandchild(tmp_path) -> tuple[_Child, int]:
+    """A child that starts a long-lived process of its own (as a vLLM worker starts its engine
+    core) and is then SIGKILLed: the grandchild outlives it, in its process group."""
+    pid_file = tmp_path / "grandchild.pid"
+    code = (
+        "import pathlib, subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(g.pid))\n"
+        "time.sleep(600)\n"
+    )
+    child = _Child("decode-0", [sys.executable, "-c", code], procs.child_env())
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the child never started its grandchild"
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    child.process.kill()
+    child.process.wait(timeout=30)
+    assert _alive(grandchild), "the grandchild died with its parent: nothing left to show"
+    return child, grandchild
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # an exited one not yet reaped by init reads Z
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups as spawn sets them up: Linux")
+def test_a_dead_childs_own_children_go_before_it_is_restarted(tmp_path) -> None:
+    """A worker killed outright leaves its engine core running (holding the GPU's memory, so
+    the restarted worker could not allocate its own): supervision kills the rest of its
+    process group before the restart."""
+    child, grandchild = _child_with_grandchild(tmp_path)
+    try:
+        assert supervise_once([child], 2, 60.0, 0.0) is None  # a restart scheduled
+        assert _gone(grandchild)
+    finally:
+        procs.stop([child.process])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups as spawn sets them up: Linux")
+def test_stopping_a_child_stops_what_it_left_behind(tmp_path) -> None:
+    child, grandchild = _child_with_grandchild(tmp_path)
+    procs.stop([child.process])
+    assert _gone(grandchild)
