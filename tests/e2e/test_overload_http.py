@@ -33,7 +33,10 @@ from tests.support.stack import MODEL, running_stack, wait_until, worker_config
 SLO_S = 0.2  # a late request is shed after 2 SLOs (``_LATE_WAIT_SLOS``): 0.4 s
 RATE = 1000.0  # prefill tokens/s: assumed by the scheduler, and the sim worker's real speed
 BLOCKER_TOKENS = 2500  # 2.5 s of prefill: a request behind it is late on arrival, and shed first
-SLOW_DECODE = SimCostModel(decode_step_base_s=0.02)  # 300 tokens take 6 s
+# 300 tokens take 18 s: the first long request must still hold the decode worker once the
+# second is prefilled, however slow a loaded machine makes that (6 s was not always enough:
+# the second went on to decode and finished, unseen, within the 10 s of waiting for it).
+SLOW_DECODE = SimCostModel(decode_step_base_s=0.06)
 DECODE_BUDGET = 400  # KV tokens: one request of a short prompt + 300 tokens at a time
 MESSAGES = [{"role": "user", "content": "Count the wagons in the yard."}]
 
@@ -150,7 +153,7 @@ def _opened(client: openai.OpenAI, stack, phase: str):
 def test_a_full_decode_fleet_refuses_up_front_with_retry_after(decode_stack):
     client = _client(decode_stack)
     _served_normally(client)
-    decoding = _opened(client, decode_stack, "decode")  # holds the decode worker for 6 s
+    decoding = _opened(client, decode_stack, "decode")  # holds the decode worker for 18 s
     waiting = _opened(client, decode_stack, "awaiting_decode")  # prefilled, no room for it
     # A small request (the overcommit limit has room for it): refused because one already waits.
     with pytest.raises(openai.RateLimitError) as plain:
