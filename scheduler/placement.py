@@ -48,6 +48,9 @@ class Placer:
         self.index = index
         self.policy = make_policy(config.policy)
         self._slots = _IndexSlots(index)
+        # What the policy can do, looked up once (``prefill`` asks for every request).
+        self._by_slot = hasattr(self.policy, "choose_slots")
+        self._choose_native = getattr(self.policy, "choose_native", None)
 
     def prefill(
         self,
@@ -56,7 +59,7 @@ class Placer:
         bound_worker: str | None,
         ttft_budget_s: float = math.inf,
     ) -> Placement | None:
-        if isinstance(workers, Fleet) and hasattr(self.policy, "choose_slots"):
+        if self._by_slot and isinstance(workers, Fleet):
             return self._prefill_by_slot(request, workers, bound_worker, ttft_budget_s)
         workers = list(workers)
         blocks, device = self.index.match_counts(request.spec.block_keys)
@@ -76,7 +79,7 @@ class Placer:
         prefill slots in vector expressions instead of ``_quick``'s loop."""
         blocks, device = self.index.match_slots(request.spec.block_keys)
         slot_of = self._slots.of_index()
-        native = getattr(self.policy, "choose_native", None) if self.index.native else None
+        native = self._choose_native if self.index.native else None
         if native is not None and bound_worker is None and fleet.prefill and self.config.local_prefill_max_tokens <= 0:
             # The policy's whole choice in one loop in C (``_native.c``): the same as below.
             rows = self._slots.rows(fleet)

@@ -171,6 +171,9 @@ class Tracked:
     decode_started: float | None = None  # when its decode was placed, to learn decode durations
     # Taken over from a scheduler that died: its spec has no prompt (see core's module note).
     adopted: bool = False
+    # ``decode_tokens`` of ``_decode_of`` (the spec it was computed from: a new spec, a new count).
+    _decode_of: RequestSpec | None = field(default=None, init=False, repr=False, compare=False)
+    _decode: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def prompt_tokens(self) -> int:
@@ -179,7 +182,10 @@ class Tracked:
     @property
     def decode_tokens(self) -> int:
         """KV tokens the request can come to hold on its decode worker."""
-        return self.spec.sampling.kv_tokens(self.prompt_tokens)
+        spec = self.spec
+        if self._decode_of is not spec:  # read several times a request: computed once a spec
+            self._decode_of, self._decode = spec, spec.sampling.kv_tokens(len(spec.prompt_tokens))
+        return self._decode
 
 
 # What ``Fleet`` mirrors: the fields placement scores workers by. ``load_tokens`` also
