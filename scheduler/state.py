@@ -404,9 +404,8 @@ class Fleet:
         factor_sum += new - old
         factors[slot] = new
         self.shared_rate[role] = shared
-        slots = self._slots_of_role(role)
         if not 0.5 < mean < 2.0:  # raw factors drift together: bring them back (the rates stay)
-            factors[slots] /= mean
+            factors[self._slots_of_role(role)] /= mean
             factor_sum /= mean
         self._factor_sum[role] = factor_sum
         # Every rate of the role is now its factor times the new scale: written when next
