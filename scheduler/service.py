@@ -58,6 +58,7 @@ from switchyard.scheduler.core import (
     RequestSnapshot,
     SchedulerCore,
 )
+from switchyard.scheduler.heap import freeze_heap
 from switchyard.scheduler.lease import LeaseKeeper, LeaseState
 from switchyard.scheduler.session_store import SessionStore
 from switchyard.scheduler.sessions import Binding
@@ -186,6 +187,8 @@ class SchedulerService:
         await self._take_over()
         self._settled.set()
         await answers.unsubscribe()  # ours now: no one else answers
+        frozen = freeze_heap()  # startup's heap out of the collector's passes (``scheduler.heap``)
+        log.debug("scheduler %s froze %d startup objects out of the collector", self.scheduler_id, frozen)
         log.info("scheduler %s ready on %s", self.scheduler_id, redacted(self.config.nats_url))
 
     async def _take_over(self) -> None:
