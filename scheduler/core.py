@@ -154,7 +154,7 @@ class SchedulerCore:
         self.sessions = SessionTable(config.session_ttl_s)
         self.placer = Placer(config, self.index)
         self._slo_aware_on = config.ttft_slo_s > 0 and self.placer.policy.slo_aware  # fixed: read per request
-        self._queue = FairQueue(_SIZE_WEIGHT if self._slo_aware() else 0.0)
+        self._queue = FairQueue(_SIZE_WEIGHT if self._slo_aware_on else 0.0)
         self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
         # Decode admission: the KV tokens (prompt + max_tokens) every request in flight can
         # come to hold on a decode worker, whatever its phase, against the decode fleet's
@@ -197,7 +197,7 @@ class SchedulerCore:
         self.requests[spec.request_id] = tracked
         self._decode_demand += tracked.decode_tokens
         self._queue.push(tracked, front=spec.attempt > 0)
-        self._capacity_changed()  # it may be the new head
+        self._epoch += 1  # it may be the new head
         tracked.phase = "queued"
         actions = self._drain_prefill(now)
         position = self._queue.position(tracked) if tracked.phase == "queued" else 0
@@ -229,7 +229,7 @@ class SchedulerCore:
     def on_kv_events(self, batch: KvEventBatch, now: float) -> list[Action]:
         """A worker's cache changed. A gap in its seq means we missed some: resync."""
         if self.index.apply(batch):
-            self._capacity_changed()  # a prompt may now fit where its prefix is
+            self._epoch += 1  # a prompt may now fit where its prefix is
             return []
         return self._ask_snapshot(batch.worker_id)
 
@@ -237,7 +237,7 @@ class SchedulerCore:
         self._snapshots_asked.discard(snapshot.worker_id)
         if snapshot.worker_id in self.workers:
             self.index.load_snapshot(snapshot)
-            self._capacity_changed()
+            self._epoch += 1
         return []
 
     def on_snapshot_failed(self, worker_id: str, now: float) -> list[Action]:
@@ -252,7 +252,7 @@ class SchedulerCore:
     def restore_session(self, binding: Binding, now: float) -> None:
         """A binding persisted by an earlier scheduler."""
         self.sessions.restore(binding, now)
-        self._capacity_changed()
+        self._epoch += 1
 
     def reclaim(self, request_id: str, worker_id: str, now: float) -> list[Action]:
         """The worker no longer holds a request we placed on it, and the message saying how
@@ -290,7 +290,7 @@ class SchedulerCore:
         """
         tracked = self.requests.get(request_id)
         actions: list[Action] = []
-        self._capacity_changed()
+        self._epoch += 1
         if tracked is not None and tracked.worker_id == worker_id and outcome != "timeout":
             if worker_id in self.workers:
                 self.workers[worker_id].release(request_id)
@@ -452,7 +452,7 @@ class SchedulerCore:
         prefilled requests already wait for room. An empty fleet still takes one request,
         however large (it runs alone, as a prompt over budget does)."""
         capacity = self.decode_capacity()
-        if self._slo_aware() and self._decode_wait:
+        if self._slo_aware_on and self._decode_wait:
             # Prefilled requests already wait for decode room: one let in now would wait too,
             # after its first token, and so miss its time per output token.
             waiting = sum(self.requests[r].decode_tokens for r in self._decode_wait)
@@ -498,14 +498,14 @@ class SchedulerCore:
         output token of each finished decode."""
         roles = self.fleet.roles
         colocated = roles["both"] > 0 and roles["prefill"] == roles["decode"] == 0
-        if not colocated or not self._slo_aware() or tracked.decode_started is None or tracked.phase != "decode":
+        if not colocated or not self._slo_aware_on or tracked.decode_started is None or tracked.phase != "decode":
             return
         tpot = (now - tracked.decode_started) / max(1, finished.generated_tokens - 1)
         self._lending.observe(tracked.worker_id in self.fleet.lent, tpot)
         self.fleet.decode_slack = self._lending.tpot[False] < _DECODE_SLACK * self.config.tpot_slo_s
         late_waiting = lambda: self._queue.late_tokens > 0  # noqa: E731 (the queue keeps the count)
         if self._lending.decide(self.fleet, late_waiting, max(1.0, self._decode_s), now) is not None:
-            self._capacity_changed()
+            self._epoch += 1
 
     def _overloaded(self, rid: str, why: str) -> Rejected:
         wait = self._retry_after_s()
@@ -530,9 +530,6 @@ class SchedulerCore:
 
     def _drain(self, now: float) -> list[Action]:
         return self._drain_decode(now) + self._drain_prefill(now)
-
-    def _capacity_changed(self) -> None:
-        self._epoch += 1
 
     def _drain_prefill(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -628,13 +625,10 @@ class SchedulerCore:
             return unheld
         return self.placer.prefill(tracked, self.fleet, bound, budget_s)
 
-    def _slo_aware(self) -> bool:
-        return self._slo_aware_on
-
     def _ttft_budget_s(self, tracked: Tracked, now: float) -> float:
         """Time left before this request misses the TTFT SLO (infinite: none to keep; minus
         infinite: a late request, which it cannot keep)."""
-        if not self._slo_aware():
+        if not self._slo_aware_on:
             return math.inf
         if tracked.late:
             return -math.inf
@@ -643,7 +637,7 @@ class SchedulerCore:
     def _misses_slo(self, tracked: Tracked, placement: Placement, now: float) -> bool:
         """Would this request, placed there now, have its first token past the TTFT SLO?
         (Its wait so far, then the worker's queued tokens and its own at the worker's rate.)"""
-        if tracked.late or placement.kind == "local" or not self._slo_aware():
+        if tracked.late or placement.kind == "local" or not self._slo_aware_on:
             return False
         worker = placement.worker
         predicted = (worker.load_tokens + placement.tokens) / worker.prefill_rate
@@ -654,7 +648,7 @@ class SchedulerCore:
         worker idle? Then it goes behind those on time instead of holding them up (a prompt
         over every budget waits for an idle worker). Its whole prompt is counted, cached or
         not: it only reorders a head that cannot run yet anyway."""
-        if tracked.late or not self._slo_aware() or not self.fleet.prefill:
+        if tracked.late or not self._slo_aware_on or not self.fleet.prefill:
             return False
         fastest = max(w.prefill_rate for w in self.fleet.prefill.values())
         return now - tracked.enqueued_at + tracked.prompt_tokens / fastest > self.config.ttft_slo_s
@@ -708,7 +702,7 @@ class SchedulerCore:
         return sum(w.load_tokens for w in prefill) / rate <= _LATE_SLACK * self.config.ttft_slo_s
 
     def _sample_busy(self, now: float) -> None:
-        if not self.fleet.prefill or not self._slo_aware():
+        if not self.fleet.prefill or not self._slo_aware_on:
             return  # read only by the late lane and the hold (``fleet.hold_s``)
         busy = self._busy_now()
         # No history yet reads as idle, not as this instant's share: a burst that finds a
@@ -719,7 +713,7 @@ class SchedulerCore:
         hold_s = _HOLD_S if self._busy >= _HOLD_BUSY else 0.0
         if self._spare_lately_states() != before or hold_s != self.fleet.hold_s:
             self.fleet.hold_s = hold_s
-            self._capacity_changed()  # a late head blocked for want of slack may find it now
+            self._epoch += 1  # a late head blocked for want of slack may find it now
 
     def _busy_now(self) -> float:
         """The prefill fleet's busy share at this instant: workers with work on their ledger
@@ -745,7 +739,7 @@ class SchedulerCore:
         if not overdue:
             return []
         if self._spare_now():
-            self._capacity_changed()  # an overdue late head may take a worker it could not before
+            self._epoch += 1  # an overdue late head may take a worker it could not before
             return []
         slo = self.config.ttft_slo_s
         wait = _LATE_WAIT_SLOS * slo
@@ -823,7 +817,7 @@ class SchedulerCore:
             self._learn_spec(tracked, done.spec)
         worker = self.workers[done.worker_id]
         worker.release(done.request_id)
-        self._capacity_changed()
+        self._epoch += 1
         self._learn_rate(worker, tracked, done, now)
         if done.finished:
             self._forget(done.request_id)
@@ -867,7 +861,7 @@ class SchedulerCore:
         self.requests[spec.request_id] = tracked
         self._decode_demand += tracked.decode_tokens
         self._queue.push(tracked)
-        self._capacity_changed()
+        self._epoch += 1
         return self._drain(now)
 
     def learn_spec(self, spec: RequestSpec) -> None:
@@ -962,12 +956,12 @@ class SchedulerCore:
                 last_seen=now,
                 own_rate=self.config.default_prefill_tokens_per_s,
             )
-            self._capacity_changed()
+            self._epoch += 1
             self.fleet.add(worker)
             actions += self._ask_snapshot(report.worker_id)  # a full dump when a worker joins
         kv_capacity = report.kv_capacity_tokens or report.token_budget
         if (report.token_budget, kv_capacity) != (worker.token_budget, worker.kv_capacity):
-            self._capacity_changed()
+            self._epoch += 1
         worker.token_budget, worker.last_seen = report.token_budget, now
         worker.kv_capacity = kv_capacity
         worker.last_seq = report.seq
@@ -1003,7 +997,7 @@ class SchedulerCore:
         self.requests[rid] = tracked
         self._decode_demand += tracked.decode_tokens
         worker.assign(rid, held.tokens)
-        self._capacity_changed()
+        self._epoch += 1
 
     def ledger(self) -> dict[str, dict[str, int]]:
         """Each worker's ledger: request -> tokens charged (for tests and diagnostics)."""
@@ -1028,7 +1022,7 @@ class SchedulerCore:
         self.sessions_dropped += self.sessions.forget_worker(worker_id)
         self._snapshots_asked.discard(worker_id)
         self._snapshot_retry_at.pop(worker_id, None)
-        self._capacity_changed()
+        self._epoch += 1
         actions: list[Action] = []
         for rid in [*worker.assigned, *worker.held]:
             actions += self._retry_or_fail(self.requests[rid], "worker_lost", now)
@@ -1039,7 +1033,7 @@ class SchedulerCore:
         can_retry = tracked.attempts < self.config.max_dispatch_attempts and not tracked.adopted
         if tracked.phase == "prefill" and code == "dispatch_failed" and can_retry:
             self._queue.push(tracked, front=True)
-            self._capacity_changed()  # a new head
+            self._epoch += 1  # a new head
             tracked.phase, tracked.worker_id, tracked.local = "queued", None, False
             return []
         if tracked.phase == "decode" and code == "dispatch_failed" and can_retry and not tracked.local:
@@ -1055,7 +1049,7 @@ class SchedulerCore:
         if tracked is None:
             return
         self._decode_demand -= tracked.decode_tokens
-        self._capacity_changed()
+        self._epoch += 1
         if tracked.worker_id is not None and tracked.worker_id in self.workers:
             self.workers[tracked.worker_id].release(request_id)
         if tracked.phase == "queued":

@@ -35,7 +35,7 @@ from switchyard.scheduler.policies import PlacementView, decode_cost, make_polic
 from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ sets each field by a call
 class Placement:
     worker: WorkerState
     kind: Literal["prefill", "local"]

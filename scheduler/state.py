@@ -246,7 +246,8 @@ class Fleet:
         # Colocated workers lent to decoding (``lend``): out of ``prefill``, so no prompt is
         # placed on them; decodes handed over from the others go to them.
         self.lent: dict[str, WorkerState] = {}
-        self.roles: Counter[str] = Counter()
+        # Every role present from the start, at 0: a read is a dict hit, not ``__missing__``.
+        self.roles: Counter[str] = Counter({"prefill": 0, "decode": 0, "both": 0})
         # Prefill rates (``learn_rate``): per role, the rate its workers share, and the sum of
         # their raw factors (``factor``): a worker's rate is its raw factor over the mean.
         self.shared_rate: dict[str, float] = {}
