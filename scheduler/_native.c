@@ -109,8 +109,11 @@ static int key_of(PyObject *obj, uint64_t *key) {
         PyErr_SetString(PyExc_TypeError, "block keys are ints");
         return -1;
     }
-    unsigned long long k = PyLong_AsUnsignedLongLong(obj);
-    if (k == (unsigned long long)-1 && PyErr_Occurred()) {
+    /* ``unsigned long`` is 64 bits here (LP64, checked below); its conversion reads the
+     * int's digits directly, where ``PyLong_AsUnsignedLongLong`` goes through
+     * ``_PyLong_AsByteArray`` for any int of more than one digit, as every block hash is. */
+    unsigned long k = PyLong_AsUnsignedLong(obj);
+    if (k == (unsigned long)-1 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
         PyErr_Clear(); /* negative, or 2**64 and above: never stored */
         return 0;
@@ -121,12 +124,39 @@ static int key_of(PyObject *obj, uint64_t *key) {
 
 /* --- worker masks as bitsets ------------------------------------------------------- */
 
+_Static_assert(sizeof(unsigned long) == 8, "key_of needs a 64-bit unsigned long");
+
+/* A non-negative int into ``nwords`` 64-bit words, least significant first (zeroed here);
+ * OverflowError if it is negative or needs more words. */
 static int bits_of(PyObject *mask, uint64_t *words, Py_ssize_t nwords) {
     if (!PyLong_Check(mask)) {
         PyErr_SetString(PyExc_TypeError, "worker masks are ints");
         return -1;
     }
-#if PY_VERSION_HEX >= 0x030D0000
+#if PY_VERSION_HEX < 0x030C0000
+    /* CPython before 3.12 keeps an int as ``ob_size`` (its sign) digits of PyLong_SHIFT
+     * bits, least significant first: read them straight into the words. */
+    Py_ssize_t ndigits = Py_SIZE(mask);
+    if (ndigits < 0) {
+        PyErr_SetString(PyExc_OverflowError, "a worker mask is negative");
+        return -1;
+    }
+    const digit *d = ((PyLongObject *)mask)->ob_digit;
+    memset(words, 0, (size_t)nwords * sizeof(uint64_t));
+    for (Py_ssize_t i = 0; i < ndigits; i++) {
+        uint64_t v = d[i];
+        if (!v) continue;
+        Py_ssize_t bit = i * PyLong_SHIFT, w = bit / 64;
+        int at = (int)(bit % 64);
+        if (w >= nwords || (at + PyLong_SHIFT > 64 && w + 1 >= nwords && (v >> (64 - at)))) {
+            PyErr_SetString(PyExc_OverflowError, "a worker mask past the worker slots");
+            return -1;
+        }
+        words[w] |= v << at;
+        if (at + PyLong_SHIFT > 64) words[w + 1] |= v >> (64 - at);
+    }
+    return 0;
+#elif PY_VERSION_HEX >= 0x030D0000
     return _PyLong_AsByteArray((PyLongObject *)mask, (unsigned char *)words, (size_t)nwords * 8, 1, 0, 1);
 #else
     return _PyLong_AsByteArray((PyLongObject *)mask, (unsigned char *)words, (size_t)nwords * 8, 1, 0);

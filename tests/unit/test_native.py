@@ -172,8 +172,9 @@ def test_a_lookup_writes_only_the_slots_it_was_given() -> None:
         blocks, device,
     )  # fmt: skip
     assert room.tolist() == [2] + [0] * 63 and not device_room.any()
-    with pytest.raises(OverflowError):
-        native.walk(
-            index._keys, index._stamp, index._holder, index._tiers, index._shift, index._rows.masks, 1 << 64, [5], 0,
-            blocks, device,
-        )  # fmt: skip
+    for past in (1 << 64, 1 << 95, -1):  # past the one word of one slot, in a digit that spans two words; negative
+        with pytest.raises(OverflowError):
+            native.walk(
+                index._keys, index._stamp, index._holder, index._tiers, index._shift, index._rows.masks, past, [5], 0,
+                blocks, device,
+            )  # fmt: skip
