@@ -419,6 +419,64 @@ done:
 
 /* --- placement --------------------------------------------------------------------- */
 
+/* ``ceil(x)`` for |x| < 2**62 without a libm call (-O2 on baseline x86-64 has no rounding
+ * instruction): the truncation toward zero, exact in a double there, then up by one if it
+ * fell below x. Anything else (NaN too) goes to ``ceil``. */
+static inline double ceil_small(double x) {
+    if (!(x < 4611686018427387904.0 && x > -4611686018427387904.0)) return ceil(x);
+    double down = (double)(int64_t)x;
+    return down < x ? down + 1.0 : down;
+}
+
+/* ``choose_prefill`` with no SLO to keep (``limit`` infinite): among the workers that fit,
+ * the least predicted TTFT, ties to the lowest rank. The same operations on the same values
+ * as the general loop's branch for a worker that is not safe, in a loop with nothing else:
+ * most requests are placed here, and its scan over ~750 workers was a seventh of the core's
+ * instructions. */
+static PyObject *quickest(const double *load, const double *rate, const double *budget, const double *kv,
+                          const double *kvcap, const double *holding, const double *coloc, const int64_t *rank,
+                          const int64_t *slots, const int64_t *rows, const int32_t *blocks, const int32_t *device,
+                          Py_ssize_t nfleet, Py_ssize_t n, Py_ssize_t nblocks, long long prompt, long long block_size,
+                          double fetch_credit, long long decode_tokens, int check_kv, const double *factor,
+                          double prefill_scale, double both_scale) {
+    const double whole = (double)prompt, whole_need = ceil_small(whole) >= 1.0 ? ceil_small(whole) : 1.0;
+    const int prefill_scaled = prefill_scale == prefill_scale, both_scaled = both_scale == both_scale;
+    double best_pred = INFINITY, best_need = 0.0;
+    int64_t best = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = slots[i];
+        if (s < 0 || s >= nfleet) {
+            PyErr_SetString(PyExc_IndexError, "a slot past the fleet");
+            return NULL;
+        }
+        int64_t r = rows[s];
+        int32_t nb = (r >= 0 && r < nblocks) ? blocks[r] : 0;
+        double uncached = whole, need = whole_need;
+        if (nb > 0) { /* _uncached */
+            int64_t nd = device[r];
+            int64_t fetchable = (nb - nd) * block_size;
+            double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
+            uncached = computed > 0.0 ? computed : 0.0;
+            need = ceil_small(uncached); /* _fitting */
+            if (!(need >= 1.0)) need = 1.0;
+        }
+        double l = load[s];
+        if (!(l == 0.0 || l + need <= budget[s])) continue;
+        int colocated = coloc[s] != 0.0;
+        if (check_kv && colocated && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s])) continue;
+        double w = colocated ? (both_scaled ? factor[s] * both_scale : rate[s])
+                             : (prefill_scaled ? factor[s] * prefill_scale : rate[s]);
+        double pred = (l + uncached) / w; /* choose_slots */
+        if (pred < best_pred || best < 0 || (pred == best_pred && rank[s] < rank[best])) {
+            best_pred = pred;
+            best = s;
+            best_need = need;
+        }
+    }
+    if (best < 0) return Py_NewRef(Py_None);
+    return Py_BuildValue("Ld", (long long)best, best_need);
+}
+
 /* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, rank, slots, rows, blocks,
  *                device, prompt, block_size, fetch_credit, decode_tokens, check_kv, limit,
  *                queue_weight, kv_weight, placed, room_edge, factor, prefill_scale, both_scale)
@@ -469,6 +527,12 @@ static PyObject *choose_prefill(PyObject *self, PyObject *args) {
         goto done;
     }
     int slo = limit < INFINITY; /* -inf (a late request): nothing is safe, the quickest wins */
+    if (!slo) {
+        result = quickest(load, rate, budget, kv, kvcap, holding, coloc, rank, slots, rows, blocks, device, nfleet, n,
+                          nblocks, prompt, block_size, fetch_credit, decode_tokens, check_kv, factor, prefill_scale,
+                          both_scale);
+        goto done;
+    }
     int any_safe = 0;
     double best_work = INFINITY, best_tie = INFINITY, best_pred = INFINITY, best_need = 0.0;
     int best_crowds = 1;
