@@ -140,6 +140,12 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
         native.walk(keys, stamp, holder, tiers, 60, [], 0, ["x"], 0, out, out.copy())
     with pytest.raises(IndexError):
         native.store(keys, stamp, holder, tiers, 60, [1], 5, 0, 1, 0, 0, 0, 0, 10)
+    with pytest.raises(TypeError, match="takes 14 arguments"):  # the arguments are read by hand
+        native.store(keys, stamp, holder, tiers, 60, [1], 0, 0, 1, 0, 0, 0, 0)
+    with pytest.raises(TypeError, match="argument 6 must be list"):
+        native.store(keys, stamp, holder, tiers, 60, (1,), 0, 0, 1, 0, 0, 0, 0, 10)
+    with pytest.raises(OverflowError, match="C int"):
+        native.store(keys, stamp, holder, tiers, 60, [1], 0, 1 << 40, 1, 0, 0, 0, 0, 10)
     fleet = [np.zeros(3) for _ in range(7)]
     with pytest.raises(ValueError, match="differ in length"):  # a rank of another fleet's size
         native.choose_decode(*fleet[:3], np.zeros(2, dtype=np.int64), np.array([0], dtype=np.intp), 10)
