@@ -1,6 +1,6 @@
 """``switchyard bench scheduler``: the decision core alone, at fleet scale, on one core.
 
-    switchyard bench scheduler --out bench/results/scheduler
+    switchyard bench scheduler --out bench/results/scheduler --repeats 3
     switchyard bench scheduler --policies switchyard --check-digest bench/results/scheduler/results.json
 
 One process, no bus: the real ``SchedulerCore`` driven in virtual time, as
@@ -58,7 +58,10 @@ many.
 
 A seeded run places identically every time: every dispatch (request, worker, kind) is
 hashed into ``digest``; ``--check-digest FILE`` compares with a previous
-``results.json`` run with the same settings (exit 1 on a difference).
+``results.json`` run with the same settings (exit 1 on a difference). ``--repeats N`` runs
+each policy N times from a fresh fleet (the same placements, checked) and reports the run of
+the median decisions/s, every run's figures beside it: this figure swings by a third between
+runs on a shared host.
 
 Writes ``results.json`` and ``scheduler.png`` (decisions/s and submit p99 per policy)
 into ``--out`` and prints a table.
@@ -598,20 +601,43 @@ def run_policy(settings: BenchSettings, policy: str, measure_memory: bool = Fals
     return summary, memory
 
 
-def benchmark(settings: BenchSettings, policies: list[str], log: Callable[[str], None] = print) -> dict:
+def benchmark(
+    settings: BenchSettings, policies: list[str], log: Callable[[str], None] = print, repeats: int = 1
+) -> dict:
+    """Each policy ``repeats`` times, from a fresh fleet each time: a seeded run places the same
+    way every time (a different digest is an error), so only the timings differ, and each
+    policy reports its run of the median decisions/s (the lower middle of an even count),
+    with every run's figures beside it (``runs``): one run on a noisy host can be a third
+    off its neighbour."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     results, memory = [], None
     for i, policy in enumerate(policies):
-        started = time.perf_counter()
-        summary, measured = run_policy(settings, policy, measure_memory=i == 0)
-        memory = memory or measured
-        results.append(summary)
-        log(
-            f"  {policy}: {summary['decisions']} decisions, {summary['decisions_per_s']:.0f}/s, "
-            f"digest {summary['digest'][:16]} ({time.perf_counter() - started:.0f} s wall)"
-        )
+        runs = []
+        for repeat in range(repeats):
+            started = time.perf_counter()
+            summary, measured = run_policy(settings, policy, measure_memory=i == 0 and repeat == 0)
+            memory = memory or measured
+            if runs and summary["digest"] != runs[0]["digest"]:
+                raise RuntimeError(f"{policy}: run {repeat + 1} placed differently from run 1 with the same seed")
+            runs.append(summary)
+            of = f" (run {repeat + 1} of {repeats})" if repeats > 1 else ""
+            log(
+                f"  {policy}: {summary['decisions']} decisions, {summary['decisions_per_s']:.0f}/s, "
+                f"digest {summary['digest'][:16]} ({time.perf_counter() - started:.0f} s wall){of}"
+            )
+        median = sorted(runs, key=lambda r: r["decisions_per_s"])[(len(runs) - 1) // 2]
+        figures = ("decisions_per_s", "decide_per_s", "submit_p99_ms", "event_p99_ms", "submit_max_ms", "core_s")
+        results.append(median | {"runs": [{k: r[k] for k in figures} for r in runs]})
     # On a shared machine another process moves every figure: say how busy it was.
     load = dict(zip(("1m", "5m", "15m"), os.getloadavg(), strict=True))
-    return {"settings": asdict(settings), "index": memory, "policies": results, "load_average": load}
+    return {
+        "settings": asdict(settings),
+        "repeats": repeats,
+        "index": memory,
+        "policies": results,
+        "load_average": load,
+    }
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -638,6 +664,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="the workload's and the arrivals' seed")
     p.add_argument("--out", type=Path, default=Path("bench/results/scheduler"), help="results folder")
     p.add_argument("--check-digest", type=Path, default=None, help="a results.json: exit 1 if placements differ")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="runs of each policy (the same placements each time); each reports its median run's decisions/s",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -657,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
         f"({settings.cache_blocks} blocks a worker), {settings.requests} timed requests after {settings.warmup}",
         flush=True,
     )
-    results = benchmark(settings, policies, lambda line: print(line, flush=True))
+    results = benchmark(settings, policies, lambda line: print(line, flush=True), repeats=args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table(results), flush=True)
@@ -695,13 +727,16 @@ def table(results: dict) -> str:
         f"match_slots p50 {m['lookup_slots_p50_us']:.0f} us, mean {m['lookup_slots_mean_us']:.0f} us",
         f"load average over the run: {results['load_average']['5m']:.2f} (5 min), on {os.cpu_count()} cores",
         "",
-        "| policy | decisions/s | decide only/s | submit p50 ms | submit p99 ms | event p99 ms "
+        "| policy | decisions/s | of runs | decide only/s | submit p50 ms | submit p99 ms | event p99 ms "
         "| KV blocks/s | hit ratio | digest |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["policies"]:
+        each = sorted(run["decisions_per_s"] for run in r.get("runs", [r]))
+        spread = f"{each[0]:.0f}" if len(each) == 1 else f"{len(each)}: {each[0]:.0f}-{each[-1]:.0f}"
         lines.append(
-            f"| {r['policy']} | {r['decisions_per_s']:.0f} | {r['decide_per_s']:.0f} | {r['submit_p50_ms']:.3f} "
+            f"| {r['policy']} | {r['decisions_per_s']:.0f} | {spread} | {r['decide_per_s']:.0f} "
+            f"| {r['submit_p50_ms']:.3f} "
             f"| {r['submit_p99_ms']:.3f} | {r['event_p99_ms']:.3f} | {r['kv_blocks_per_s']:.0f} "
             f"| {r['prefill_hit_ratio']:.3f} | {r['digest'][:12]} |"
         )

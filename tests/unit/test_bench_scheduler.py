@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from switchyard.bench.scheduler_bench import BenchSettings, Workload, benchmark, check_digests, deep_bytes, table
 from switchyard.cli import build_parser
 
@@ -80,3 +82,14 @@ def test_deep_bytes_counts_shared_objects_once() -> None:
 def test_the_cli_runs_this_module() -> None:
     args = build_parser().parse_args(["bench", "scheduler", "--prefill", "4", "--policies", "switchyard"])
     assert args.bench == "scheduler_bench" and args.prefill == 4
+
+
+def test_repeats_report_the_median_run_with_every_run_beside_it() -> None:
+    results = benchmark(TINY, ["switchyard"], _quiet, repeats=3)
+    (r,) = results["policies"]
+    each = sorted(run["decisions_per_s"] for run in r["runs"])
+    assert results["repeats"] == 3 and len(each) == 3
+    assert r["decisions_per_s"] == each[1]  # the median run's figures are the policy's
+    assert "3: " in table(results)
+    with pytest.raises(ValueError, match="at least 1"):
+        benchmark(TINY, ["switchyard"], _quiet, repeats=0)
