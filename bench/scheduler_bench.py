@@ -613,7 +613,7 @@ def benchmark(
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     results, memory = [], None
     for i, policy in enumerate(policies):
-        runs = []
+        runs: list[dict] = []
         for repeat in range(repeats):
             started = time.perf_counter()
             summary, measured = run_policy(settings, policy, measure_memory=i == 0 and repeat == 0)

@@ -204,6 +204,13 @@ class SchedulerCore:
         return Admitted(request_id=spec.request_id, queue_position=position), actions
 
     def on_event(self, event: WorkerEvent, now: float) -> list[Action]:
+        if isinstance(event, PrefillDone | RequestFinished):  # every request's two, before the match below
+            worker = self.workers.get(event.worker_id)
+            if worker is not None:
+                worker.touch(now)
+            if isinstance(event, PrefillDone):
+                return self._on_prefill_done(event, now)
+            return self._on_finished(event, now)
         match event:
             case LoadReport():
                 return self._on_report(event, now)
@@ -215,16 +222,19 @@ class SchedulerCore:
                 return self._on_prefill_failed(event, now)
             case RequestFinished():
                 self._touch(event.worker_id, now)
-                tracked = self.requests.get(event.request_id)
-                if tracked is None or tracked.worker_id != event.worker_id:
-                    return []  # stale: from an attempt that is no longer the request's
-                self._learn_decode(tracked, now)
-                self._lend(tracked, event, now)
-                self._forget(event.request_id)
-                return self._drain(now)
+                return self._on_finished(event, now)
             case WorkerLeaving():
                 return self._remove_worker(event.worker_id, now)
         raise AssertionError(f"unhandled event {event!r}")
+
+    def _on_finished(self, finished: RequestFinished, now: float) -> list[Action]:
+        tracked = self.requests.get(finished.request_id)
+        if tracked is None or tracked.worker_id != finished.worker_id:
+            return []  # stale: from an attempt that is no longer the request's
+        self._learn_decode(tracked, now)
+        self._lend(tracked, finished, now)
+        self._forget(finished.request_id)
+        return self._drain(now)
 
     def on_kv_events(self, batch: KvEventBatch, now: float) -> list[Action]:
         """A worker's cache changed. A gap in its seq means we missed some: resync."""
@@ -398,6 +408,10 @@ class SchedulerCore:
 
     def check_invariants(self) -> None:
         self.fleet.check_invariants()
+        for tracked in self.requests.values():  # set with the spec (``Tracked.respec``): never stale
+            spec = tracked.spec
+            assert tracked.prompt_tokens == len(spec.prompt_tokens), spec.request_id
+            assert tracked.decode_tokens == spec.sampling.kv_tokens(len(spec.prompt_tokens)), spec.request_id
         for worker in self.workers.values():
             assert worker.load_tokens == sum(worker.assigned.values()), worker.worker_id
             assert worker.kv_tokens == sum(worker.held.values()), worker.worker_id
@@ -872,7 +886,8 @@ class SchedulerCore:
 
     def _learn_spec(self, tracked: Tracked, spec: RequestSpec) -> None:
         self._decode_demand -= tracked.decode_tokens
-        tracked.spec, tracked.adopted = spec, False
+        tracked.respec(spec)
+        tracked.adopted = False
         self._decode_demand += tracked.decode_tokens
 
     def _on_prefill_failed(self, failed: PrefillFailed, now: float) -> list[Action]:

@@ -150,12 +150,11 @@ class PrefixIndex:
             return True  # a duplicate, or already in the snapshot we loaded
         worker = self._slot[batch.worker_id]
         for event in batch.events:
-            kind = type(event)
-            if self.native and kind is BlocksStored:  # the common events, without the dispatch below
+            if self.native and isinstance(event, BlocksStored):  # the common events, without the dispatch below
                 keys = event.keys
                 self._reserve(len(keys))
                 self._store_native(worker, keys, TIER_BITS[event.tier])
-            elif self.native and kind is BlocksRemoved:
+            elif self.native and isinstance(event, BlocksRemoved):
                 self._unset_native(worker, event.keys, TIER_BITS[event.tier])
             else:
                 self._apply_event(worker, event)

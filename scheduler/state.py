@@ -171,21 +171,19 @@ class Tracked:
     decode_started: float | None = None  # when its decode was placed, to learn decode durations
     # Taken over from a scheduler that died: its spec has no prompt (see core's module note).
     adopted: bool = False
-    # ``decode_tokens`` of ``_decode_of`` (the spec it was computed from: a new spec, a new count).
-    _decode_of: RequestSpec | None = field(default=None, init=False, repr=False, compare=False)
-    _decode: int = field(default=0, init=False, repr=False, compare=False)
+    # Of ``spec``, read several times a request: computed once a spec, here and in ``respec``
+    # (the only way to give a tracked request a new spec). ``prompt_tokens``: its prompt's
+    # length; ``decode_tokens``: the KV tokens it can come to hold on its decode worker.
+    prompt_tokens: int = field(default=0, init=False, repr=False, compare=False)
+    decode_tokens: int = field(default=0, init=False, repr=False, compare=False)
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.spec.prompt_tokens)
+    def __post_init__(self) -> None:
+        self.respec(self.spec)
 
-    @property
-    def decode_tokens(self) -> int:
-        """KV tokens the request can come to hold on its decode worker."""
-        spec = self.spec
-        if self._decode_of is not spec:  # read several times a request: computed once a spec
-            self._decode_of, self._decode = spec, spec.sampling.kv_tokens(len(spec.prompt_tokens))
-        return self._decode
+    def respec(self, spec: RequestSpec) -> None:
+        self.spec = spec
+        self.prompt_tokens = tokens = len(spec.prompt_tokens)
+        self.decode_tokens = spec.sampling.kv_tokens(tokens)
 
 
 # What ``Fleet`` mirrors: the fields placement scores workers by. ``load_tokens`` also
