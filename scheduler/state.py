@@ -85,14 +85,16 @@ class WorkerState:
     # fields and their slots themselves, as ``Fleet.mirror`` would: no ``__setattr__`` call.
 
     def assign(self, request_id: str, tokens: int) -> None:
-        assigned, d = self.assigned, self.__dict__
+        d = self.__dict__
+        assigned = d["assigned"]
         assert request_id not in assigned, request_id
         assigned[request_id] = tokens
         load = d["load_tokens"] = d["load_tokens"] + tokens
         fleet = d["fleet"]
         if fleet is not None:
             slot = d["slot"]
-            fleet.load[slot], fleet.running[slot] = load, len(assigned)
+            fleet.load[slot] = load
+            fleet.running[slot] = len(assigned)
 
     def hold(self, request_id: str, tokens: int, room: float = math.inf) -> None:
         """Decode ``request_id``'s ``tokens`` of KV here; it keeps its TPOT SLO through
@@ -112,18 +114,25 @@ class WorkerState:
 
     def release(self, request_id: str) -> None:
         d = self.__dict__
-        fleet = d["fleet"]
-        assigned, held = d["assigned"], d["held"]
+        assigned = d["assigned"]
         tokens = assigned.pop(request_id, None)
         if tokens is not None:
             load = d["load_tokens"] = d["load_tokens"] - tokens
+            fleet = d["fleet"]
             if fleet is not None:
-                fleet.load[d["slot"]], fleet.running[d["slot"]] = load, len(assigned)
-        tokens = held.pop(request_id, None)
-        if tokens is not None:
-            kv = d["kv_tokens"] = d["kv_tokens"] - tokens
-            if fleet is not None:
-                fleet.kv[d["slot"]], fleet.holding[d["slot"]] = kv, len(held)
+                slot = d["slot"]
+                fleet.load[slot] = load
+                fleet.running[slot] = len(assigned)
+        held = d["held"]
+        if held:  # only a colocated worker holds decodes
+            tokens = held.pop(request_id, None)
+            if tokens is not None:
+                kv = d["kv_tokens"] = d["kv_tokens"] - tokens
+                fleet = d["fleet"]
+                if fleet is not None:
+                    slot = d["slot"]
+                    fleet.kv[slot] = kv
+                    fleet.holding[slot] = len(held)
         edges = d["room_edges"]
         if edges:
             edge = edges.pop(request_id, math.inf)
