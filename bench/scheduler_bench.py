@@ -684,6 +684,9 @@ def run(args: argparse.Namespace) -> int:
         conversations=args.conversations,
         seed=args.seed,
     )
+    if args.check_digest is not None and not args.check_digest.is_file():
+        # Before the run, not after minutes of it.
+        raise SystemExit(f"--check-digest: no such file: {args.check_digest} (a results.json of an earlier run)")
     print(
         f"{settings.prefill} prefill + {settings.decode} decode workers, {settings.entries} indexed pairs "
         f"({settings.cache_blocks} blocks a worker), {settings.requests} timed requests after {settings.warmup}",

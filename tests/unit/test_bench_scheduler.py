@@ -93,3 +93,13 @@ def test_repeats_report_the_median_run_with_every_run_beside_it() -> None:
     assert "3: " in table(results)
     with pytest.raises(ValueError, match="at least 1"):
         benchmark(TINY, ["switchyard"], _quiet, repeats=0)
+
+
+def test_a_missing_digest_file_is_refused_before_the_run(tmp_path) -> None:
+    from switchyard.bench import scheduler_bench
+
+    argv = ["bench", "scheduler", "--out", str(tmp_path), "--check-digest", str(tmp_path / "none.json")]
+    args = build_parser().parse_args(argv)
+    with pytest.raises(SystemExit, match="no such file"):
+        scheduler_bench.run(args)
+    assert not (tmp_path / "results.json").exists()
