@@ -111,6 +111,12 @@ DispatchOutcome = Literal["refused", "no_responders", "timeout"]
 # SLOs takes a worker with nothing at all to do, or is shed if there is none.
 _LATE_SLACK = 0.1
 _LATE_WAIT_SLOS = 2.0
+# ...except where it computes so little that it takes nobody's capacity: at most this share
+# of the TTFT SLO of prefill at the worker's rate (the same slack a worker about to run dry
+# has), its prefix cached there. There it runs at once, slack or not, on the worker where it
+# computes least: sent to a worker with slack instead, it would recompute that prefix and
+# evict others' to hold it (on long shared documents, the most a late request costs).
+_LATE_CHEAP = _LATE_SLACK
 # Spare capacity lately: the prefill fleet's busy share (workers with work on their
 # ledger), averaged over about this window, below this...
 _BUSY_WINDOW_S = 20.0
@@ -668,9 +674,13 @@ class SchedulerCore:
         return now - tracked.enqueued_at + tracked.prompt_tokens / fastest > self.config.ttft_slo_s
 
     def _late_placement(self, tracked: Tracked, now: float) -> Placement | None:
-        """Of the workers with slack (any of them, not only the policy's first choice, which
-        may be the one without), those decoding fewest sequences, and of those the
-        quickest; None while there is no slack."""
+        """Where the prompt computes least, if that is at most ``_LATE_CHEAP`` of the SLO
+        there (``Placer.cheap``); else of the workers with slack (any of them, not only the
+        policy's first choice, which may be the one without), those decoding fewest
+        sequences, and of those the quickest; None while there is no slack."""
+        cheap = self.placer.cheap(tracked, self.fleet.prefill.values(), _LATE_CHEAP * self.config.ttft_slo_s)
+        if cheap is not None:
+            return cheap
         slack = self._slack_workers()
         if not slack and self._overdue(tracked, now):
             slack = self._spare_now()

@@ -74,6 +74,24 @@ def test_a_late_request_runs_once_its_worker_has_slack() -> None:
     assert placed(h.event(prefill_done(a, "p0", prefill_s=1.5))) == {"b": "p0"}
 
 
+def test_a_late_request_whose_prefix_a_busy_worker_holds_runs_there_not_on_the_idle_one() -> None:
+    from switchyard.schemas import KvSnapshot
+
+    h = fleet(workers=2, worker_expiry_s=100.0)
+    doc = make_spec("doc", prompt_len=16_000)
+    h.core.index.load_snapshot(KvSnapshot(worker_id="p0", seq=0, blocks={"device": doc.block_keys}))
+    assert placed(h.admit(make_spec("a", prompt_len=16_000))) == {"a": "p0"}  # 2 s of work there
+    question = make_spec("q", prompt=doc.prompt_tokens + make_spec("x", prompt_len=1_000).prompt_tokens)
+    # 16,000 queued + its 1,000 uncached on p0, 17,000 on p1: 2.1 s either way, late. p1 has
+    # slack, but p0 computes it in 0.125 s (within a tenth of the SLO): p0, not 16,000
+    # tokens recomputed on p1 and the document cached twice
+    assert placed(h.admit(question)) == {"q": "p0"}
+    assert h.core.requests["q"].late
+    # ...while a late prompt cached nowhere still waits for slack: p1's
+    assert placed(h.admit(make_spec("new", prompt_len=17_000))) == {"new": "p1"}
+    assert h.core.requests["new"].late
+
+
 def test_late_requests_go_shortest_first() -> None:
     h = fleet()
     a = make_spec("a", prompt_len=12_000)
