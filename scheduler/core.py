@@ -117,6 +117,11 @@ _LATE_WAIT_SLOS = 2.0
 # computes least: sent to a worker with slack instead, it would recompute that prefix and
 # evict others' to hold it (on long shared documents, the most a late request costs).
 _LATE_CHEAP = _LATE_SLACK
+# The short-prompt lane (``_lent_lane``) also takes a prompt whose prefix a lent worker holds,
+# if it computes at most this many TPOT SLOs there (one stall of the lent decodes, once;
+# ``Lending.lane_open`` closes the lane if they add up). 2 and 4 tried on the tool-agent
+# trace, colocated (docs/bench-sim.md): 4 kept the most goodput.
+_LANE_CACHED_TPOTS = 4.0
 # Spare capacity lately: the prefill fleet's busy share (workers with work on their
 # ledger), averaged over about this window, below this...
 _BUSY_WINDOW_S = 20.0
@@ -609,6 +614,9 @@ class SchedulerCore:
         # worker chosen: a colocated worker as the lent one is, its rate measured prefilling
         # (a lent worker's own measure is mostly the decode step its prompts wait for).
         most = self.config.tpot_slo_s * worker.prefill_rate
+        cached = self._lane_cached(tracked, placement, _LANE_CACHED_TPOTS * most)
+        if cached is not None:
+            return cached
         if placement.tokens > most:
             return None
         lent = lane_worker(self.fleet, tracked.decode_tokens)
@@ -620,6 +628,26 @@ class SchedulerCore:
         if need > most or there >= here:
             return None
         return Placement(lent, "local", need)
+
+    def _lane_cached(self, tracked: Tracked, placement: Placement, most: float) -> Placement | None:
+        """The lane for a prompt whose prefix a lent worker holds: of the lent workers with
+        no prompt on their ledger and room for its KV, the one where it computes least, if
+        that is at most ``most`` tokens, less than where the policy placed it, and its first
+        token comes sooner there. Lending a worker takes its cache out of placement; without
+        this, a follow-up turn whose history it holds recomputes all of it elsewhere."""
+        rate = placement.worker.prefill_rate
+        here = (placement.worker.load_tokens + placement.tokens) / rate
+        best: tuple[int, int, str, WorkerState] | None = None
+        for lent in self.fleet.lent.values():
+            if lent.load_tokens or not lent.kv_room(tracked.decode_tokens):
+                continue
+            need = self.placer.need(tracked, lent)
+            if need > most or need >= placement.tokens or need / rate + self._lending.tpot[True] >= here:
+                continue
+            key = (need, len(lent.held), lent.worker_id, lent)
+            if best is None or key[:3] < best[:3]:
+                best = key
+        return None if best is None else Placement(best[3], "local", best[0])
 
     def _prefill_placement(self, tracked: Tracked, now: float) -> Placement | None:
         """The policy's placement; under the hold (``fleet.hold_s``), the one without it if

@@ -240,6 +240,33 @@ class TestTheCore:
         (medium,) = dispatches(h.admit(make_spec("medium", prompt_len=1_000)))
         assert isinstance(medium.task, PrefillTask) and medium.worker_id != lent
 
+    def test_a_prompt_whose_prefix_the_lent_worker_holds_prefills_there(self) -> None:
+        from switchyard.schemas import KvSnapshot
+
+        h = self.core()
+        lent = self.lent_and_quick(h)
+        doc = make_spec("doc", prompt_len=8_000)
+        h.core.index.load_snapshot(KvSnapshot(worker_id=lent, seq=0, blocks={"device": doc.block_keys}))
+        extra = make_spec("x", prompt_len=1_000).prompt_tokens
+        # 9,000 tokens to compute on a prefill worker; 1,000 on the lent one (four TPOT SLOs
+        # at 8,000 tokens/s is 1,600): the lent one, to prefill and decode there
+        (turn,) = dispatches(h.admit(make_spec("turn-2", prompt=doc.prompt_tokens + extra)))
+        assert (turn.worker_id, type(turn.task)) == (lent, LocalTask)
+        # ...one prompt at a time: the next such turn goes to a prefill worker
+        (other,) = dispatches(h.admit(make_spec("turn-2b", prompt=doc.prompt_tokens + extra)))
+        assert isinstance(other.task, PrefillTask) and other.worker_id != lent
+
+    def test_a_cached_prefix_too_short_to_pay_keeps_the_prompt_off_the_lent_worker(self) -> None:
+        from switchyard.schemas import KvSnapshot
+
+        h = self.core()
+        lent = self.lent_and_quick(h)
+        doc = make_spec("doc", prompt_len=1_000)
+        h.core.index.load_snapshot(KvSnapshot(worker_id=lent, seq=0, blocks={"device": doc.block_keys}))
+        extra = make_spec("x", prompt_len=4_000).prompt_tokens  # 4,000 left to compute there: over 1,600
+        (turn,) = dispatches(h.admit(make_spec("turn-2", prompt=doc.prompt_tokens + extra)))
+        assert isinstance(turn.task, PrefillTask) and turn.worker_id != lent
+
     def test_slow_lent_decodes_close_the_lane(self) -> None:
         h = self.core()
         lent = self.lent_and_quick(h)
