@@ -763,6 +763,7 @@ class SchedulerCore:
         before = self._spare_lately_states()
         self._busy, self._busy_at = (1 - weight) * self._busy + weight * busy, now
         hold_s = _HOLD_S if self._busy >= _HOLD_BUSY else 0.0
+        self.fleet.busy = self._busy >= _HOLD_BUSY
         if self._spare_lately_states() != before or hold_s != self.fleet.hold_s:
             self.fleet.hold_s = hold_s
             self._epoch += 1  # a late head blocked for want of slack may find it now

@@ -51,7 +51,11 @@ _SAFE_SHARE = 0.5  # switchyard: a placement keeps the SLO with room to spare wi
 # fleet's p90 TTFT was 35% over the best peer's at light load. From a sweep of 1, 2, 4 and
 # 8 on the three colocated cases (docs/bench-sim.md): p90 TTFT falls and saturation goodput
 # on Mooncake drops 0-3% as it grows; 4 is the least that brings Azure's light-load p90
-# within 2% of the best peer's.
+# within 2% of the best peer's. Only while the prefill fleet has capacity to spare: once it
+# has been busy lately (``Fleet.busy``, the core's hold) a token computed is capacity the next
+# request's SLO needs, and among workers that keep this one's SLO with room to spare the
+# queue weighs nothing (``queue_weight``): at 4, a worker holding a 20k-token document lost
+# the prompt to an idle one once it had 0.36 s queued, for 1.5 s of compute more.
 _QUEUE_WEIGHT = 4.0
 # ...and the KV decoding there counts only while decodes run slow: while they have run within
 # half the TPOT SLO lately (``Fleet.decode_slack``, set by the core), it only breaks ties
@@ -103,6 +107,11 @@ class PlacementView:
         """What the worker's ledger would hold: at least one token, since even a fully
         cached prompt computes its last token."""
         return max(1, math.ceil(self.uncached_tokens(worker)))
+
+
+def queue_weight(fleet: Fleet | None) -> float:
+    """``_QUEUE_WEIGHT``, or 0 while ``fleet`` has been busy lately (``Fleet.busy``)."""
+    return 0.0 if fleet is not None and fleet.busy else _QUEUE_WEIGHT
 
 
 def worker_fleet_slack(worker: WorkerState) -> bool:
@@ -205,7 +214,7 @@ class Switchyard:
             if safe.any():
                 colocated = fleet.colocated[slots] != 0
                 kv = np.where(colocated, fleet.kv[slots], 0.0)
-                queued = uncached + _QUEUE_WEIGHT * load
+                queued = uncached + queue_weight(fleet) * load
                 # While decodes have slack the KV only breaks ties (``_QUEUE_WEIGHT``'s note).
                 work = np.where(colocated, queued if fleet.decode_slack else queued + kv, uncached)
                 safe &= work == work[safe].min()
@@ -241,7 +250,7 @@ class Switchyard:
         chosen = _native.choose_prefill(
             fleet.load, rate, budget, fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
             fleet.id_rank(), slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size,
-            fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, _QUEUE_WEIGHT,
+            fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, queue_weight(fleet),
             0.0 if fleet.decode_slack else 1.0, fleet.placed, fleet.room_edge, fleet.factor, prefill_scale, both_scale,
         )  # fmt: skip
         if chosen is None:
@@ -260,11 +269,11 @@ class Switchyard:
     def work(worker: WorkerState, view: PlacementView, kv: bool = True) -> float:
         """What placing the prompt there costs the fleet, in tokens: its uncached tokens;
         on a colocated worker also everything it runs beside them (the prompts queued
-        there, ``_QUEUE_WEIGHT`` times: its own first token waits on them, and, with
+        there, ``queue_weight`` times: its own first token waits on them, and, with
         ``kv``, the KV of the sequences it decodes, each slowed by the prompt)."""
         if worker.role != "both":
             return view.uncached_tokens(worker)
-        queued = view.uncached_tokens(worker) + _QUEUE_WEIGHT * worker.load_tokens
+        queued = view.uncached_tokens(worker) + queue_weight(worker.fleet) * worker.load_tokens
         return queued + worker.kv_tokens if kv else queued
 
     @staticmethod

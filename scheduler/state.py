@@ -263,6 +263,9 @@ class Fleet:
         # Seconds of prefill a worker that hands its prompts over may hold (``fit_budget``;
         # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
         self.hold_s = 0.0
+        # Whether the prefill fleet has been busy lately (set by the core with the hold, but
+        # not lifted with it): then ``switchyard`` weighs a colocated worker's queue at 0.
+        self.busy = False
         # Whether the colocated workers' decodes have run within half the TPOT SLO lately (set
         # by the core): then ``switchyard`` weighs the KV they decode only to break ties.
         self.decode_slack = False

@@ -208,6 +208,7 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
                 for worker in rng.sample(sorted(fleet.prefill.values(), key=lambda w: w.worker_id), 3):
                     fleet.learn_rate(worker, rng.choice([5_000.0, 9_000.0]), 0.2, 0.02)
             fleet.decode_slack = rng.random() < 0.5  # the KV decoded weighed, or a tie-break only
+            fleet.busy = rng.random() < 0.5  # a colocated worker's queue weighed, or not
             keys = [*rng.choice(prefixes)[: rng.randrange(0, 9)], rng.randrange(1 << 63)]
             spec = msgspec.structs.replace(make_spec(f"r{i}", prompt_len=len(keys) * BLOCK_SIZE - 3), block_keys=keys)
             request = Tracked(spec=spec, enqueued_at=0.0, order=i)

@@ -225,6 +225,21 @@ def test_on_a_colocated_fleet_the_safe_choice_also_weighs_what_each_worker_decod
     assert Switchyard().choose(request, [lightly, idle], cached).worker_id == "w1"  # 800 + 2,000 < 4,000
 
 
+def test_on_a_fleet_busy_lately_a_colocated_workers_queue_weighs_nothing_beside_the_compute_it_saves() -> None:
+    from switchyard.scheduler.state import Fleet
+
+    holder, idle = worker("w1", load=2_000, requests=1, role="both"), worker("w2", role="both")
+    fleet = Fleet()
+    for w in (holder, idle):
+        fleet.add(w)
+    request = tracked(prompt_len=6_400)
+    cached = replace(view({"w1": (370, 370)}, prompt=6_400), ttft_budget_s=10.0)  # w1 holds 5,920 tokens
+    # Capacity to spare: 480 to compute behind 2,000 queued (4 x) against 6,400 on the idle one
+    assert Switchyard().choose(request, [holder, idle], cached).worker_id == "w2"
+    fleet.busy = True  # busy lately: the 5,920 tokens it saves are the next request's capacity
+    assert Switchyard().choose(request, [holder, idle], cached).worker_id == "w1"
+
+
 # --- the late lane on colocated fleets, and when shedding is right --------------------------
 #
 # A prompt of 40,000 tokens takes 5 s at the default rate: it misses the 2 s SLO even on an
