@@ -240,31 +240,31 @@ class TestTheCore:
         (medium,) = dispatches(h.admit(make_spec("medium", prompt_len=1_000)))
         assert isinstance(medium.task, PrefillTask) and medium.worker_id != lent
 
-    def test_a_prompt_whose_prefix_the_lent_worker_holds_prefills_there(self) -> None:
+    def lent_holding(self, cached: int, left: int) -> tuple[Colocated, str, list[int]]:
+        """``lent_and_quick``, with ``cached`` tokens of a document on the lent worker's
+        device; the core, the lent worker, and a follow-up's prompt: the document and
+        ``left`` tokens more."""
         from switchyard.schemas import KvSnapshot
 
         h = self.core()
         lent = self.lent_and_quick(h)
-        doc = make_spec("doc", prompt_len=8_000)
+        doc = make_spec("doc", prompt_len=cached)
         h.core.index.load_snapshot(KvSnapshot(worker_id=lent, seq=0, blocks={"device": doc.block_keys}))
-        extra = make_spec("x", prompt_len=1_000).prompt_tokens
+        return h, lent, doc.prompt_tokens + make_spec("x", prompt_len=left).prompt_tokens
+
+    def test_a_prompt_whose_prefix_the_lent_worker_holds_prefills_there(self) -> None:
         # 9,000 tokens to compute on a prefill worker; 1,000 on the lent one (four TPOT SLOs
         # at 8,000 tokens/s is 1,600): the lent one, to prefill and decode there
-        (turn,) = dispatches(h.admit(make_spec("turn-2", prompt=doc.prompt_tokens + extra)))
+        h, lent, prompt = self.lent_holding(8_000, 1_000)
+        (turn,) = dispatches(h.admit(make_spec("turn-2", prompt=prompt)))
         assert (turn.worker_id, type(turn.task)) == (lent, LocalTask)
         # ...one prompt at a time: the next such turn goes to a prefill worker
-        (other,) = dispatches(h.admit(make_spec("turn-2b", prompt=doc.prompt_tokens + extra)))
+        (other,) = dispatches(h.admit(make_spec("turn-2b", prompt=prompt)))
         assert isinstance(other.task, PrefillTask) and other.worker_id != lent
 
     def test_a_cached_prefix_too_short_to_pay_keeps_the_prompt_off_the_lent_worker(self) -> None:
-        from switchyard.schemas import KvSnapshot
-
-        h = self.core()
-        lent = self.lent_and_quick(h)
-        doc = make_spec("doc", prompt_len=1_000)
-        h.core.index.load_snapshot(KvSnapshot(worker_id=lent, seq=0, blocks={"device": doc.block_keys}))
-        extra = make_spec("x", prompt_len=4_000).prompt_tokens  # 4,000 left to compute there: over 1,600
-        (turn,) = dispatches(h.admit(make_spec("turn-2", prompt=doc.prompt_tokens + extra)))
+        h, lent, prompt = self.lent_holding(1_000, 4_000)  # 4,000 left to compute there: over 1,600
+        (turn,) = dispatches(h.admit(make_spec("turn-2", prompt=prompt)))
         assert isinstance(turn.task, PrefillTask) and turn.worker_id != lent
 
     def test_slow_lent_decodes_close_the_lane(self) -> None:
