@@ -115,7 +115,10 @@ _LATE_WAIT_SLOS = 2.0
 # of the TTFT SLO of prefill at the worker's rate (the same slack a worker about to run dry
 # has), its prefix cached there. There it runs at once, slack or not, on the worker where it
 # computes least: sent to a worker with slack instead, it would recompute that prefix and
-# evict others' to hold it (on long shared documents, the most a late request costs).
+# evict others' to hold it (on long shared documents, the most a late request costs). Only
+# if it would have its first token there, behind that worker's queue, before it would be
+# shed (``_LATE_WAIT_SLOS`` SLOs after arriving): later than that, the client is better off
+# with a 429 now than an answer after the whole queue.
 _LATE_CHEAP = _LATE_SLACK
 # The short-prompt lane (``_lent_lane``) also takes a prompt whose prefix a lent worker holds,
 # if it computes at most this many TPOT SLOs there (one stall of the lent decodes, once;
@@ -703,10 +706,13 @@ class SchedulerCore:
 
     def _late_placement(self, tracked: Tracked, now: float) -> Placement | None:
         """Where the prompt computes least, if that is at most ``_LATE_CHEAP`` of the SLO
-        there (``Placer.cheap``); else of the workers with slack (any of them, not only the
-        policy's first choice, which may be the one without), those decoding fewest
-        sequences, and of those the quickest; None while there is no slack."""
-        cheap = self.placer.cheap(tracked, self.fleet.prefill.values(), _LATE_CHEAP * self.config.ttft_slo_s)
+        there and its first token comes before it would be shed (``Placer.cheap``); else of
+        the workers with slack (any of them, not only the policy's first choice, which may
+        be the one without), those decoding fewest sequences, and of those the quickest;
+        None while there is no slack."""
+        slo = self.config.ttft_slo_s
+        shed_in = _LATE_WAIT_SLOS * slo - (now - tracked.enqueued_at)
+        cheap = self.placer.cheap(tracked, self.fleet.prefill.values(), _LATE_CHEAP * slo, shed_in)
         if cheap is not None:
             return cheap
         slack = self._slack_workers()

@@ -110,11 +110,14 @@ class Placer:
         assert self._fits(chosen, request, view), chosen.worker_id
         return Placement(chosen, "prefill", view.need(chosen))
 
-    def cheap(self, request: Tracked, workers: Iterable[WorkerState], most_s: float) -> Placement | None:
+    def cheap(
+        self, request: Tracked, workers: Iterable[WorkerState], most_s: float, within_s: float = math.inf
+    ) -> Placement | None:
         """Of the ``workers`` that fit the prompt and would compute at most ``most_s`` of it
-        at their prefill rate (a cached prefix there, or a short prompt), the one that
-        computes least, then the soonest done, then the lowest id; None if there is none.
-        Only workers the index matches are read unless the prompt is short enough for any."""
+        at their prefill rate (a cached prefix there, or a short prompt), and would have it
+        done, behind their queue, within ``within_s``: the one that computes least, then the
+        soonest done, then the lowest id; None if there is none. Only workers the index
+        matches are read unless the prompt is short enough for any."""
         blocks, device = self.index.match_counts(request.spec.block_keys)
         view = self._view(request, blocks, device, -math.inf)
         best: tuple[tuple[float, float, str], WorkerState] | None = None
@@ -126,7 +129,10 @@ class Placer:
             uncached = view.uncached_tokens(worker)
             if uncached > most_s * worker.prefill_rate or not self._fits(worker, request, view):
                 continue
-            key = (uncached, (worker.load_tokens + uncached) / worker.prefill_rate, worker.worker_id)
+            done_s = (worker.load_tokens + uncached) / worker.prefill_rate
+            if done_s > within_s:
+                continue
+            key = (uncached, done_s, worker.worker_id)
             if best is None or key < best[0]:
                 best = (key, worker)
         return None if best is None else Placement(best[1], "prefill", view.need(best[1]))

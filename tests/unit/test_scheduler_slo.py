@@ -92,6 +92,19 @@ def test_a_late_request_whose_prefix_a_busy_worker_holds_runs_there_not_on_the_i
     assert h.core.requests["new"].late
 
 
+def test_a_late_request_does_not_wait_where_its_prefix_is_past_the_time_it_would_be_shed() -> None:
+    from switchyard.schemas import KvSnapshot
+
+    h = fleet(workers=2, worker_expiry_s=100.0)
+    doc = make_spec("doc", prompt_len=16_000)
+    h.core.index.load_snapshot(KvSnapshot(worker_id="p0", seq=0, blocks={"device": doc.block_keys}))
+    assert placed(h.admit(make_spec("a", prompt_len=40_000))) == {"a": "p0"}  # 5 s of work there
+    question = make_spec("q", prompt=doc.prompt_tokens + make_spec("x", prompt_len=1_000).prompt_tokens)
+    # On p0 its first token would come after 5.1 s, past the 4 s (2 SLOs) at which it would
+    # be shed: not there, but on p1's slack
+    assert placed(h.admit(question)) == {"q": "p1"}
+
+
 def test_late_requests_go_shortest_first() -> None:
     h = fleet()
     a = make_spec("a", prompt_len=12_000)
