@@ -15,7 +15,7 @@ import pytest
 from switchyard.scheduler import Dispatch, FailStream
 from switchyard.scheduler.policies import Switchyard
 from switchyard.scheduler.state import Tracked
-from switchyard.schemas import Admitted, LocalTask, PrefillTask
+from switchyard.schemas import Admitted, LocalTask, PrefillTask, RequestSpec
 from tests.support.factories import make_spec, prefill_done, request_finished
 from tests.unit.test_policies import tracked, view, worker
 from tests.unit.test_scheduler_core import Harness
@@ -74,14 +74,20 @@ def test_a_late_request_runs_once_its_worker_has_slack() -> None:
     assert placed(h.event(prefill_done(a, "p0", prefill_s=1.5))) == {"b": "p0"}
 
 
-def test_a_late_request_whose_prefix_a_busy_worker_holds_runs_there_not_on_the_idle_one() -> None:
+def _document_on_p0(queued: int) -> tuple[Harness, RequestSpec]:
+    """Two prefill workers, p0 holding a 16,000-token document and ``queued`` tokens of
+    another prompt on its ledger; the core and a question on the document (1,000 more)."""
     from switchyard.schemas import KvSnapshot
 
     h = fleet(workers=2, worker_expiry_s=100.0)
     doc = make_spec("doc", prompt_len=16_000)
     h.core.index.load_snapshot(KvSnapshot(worker_id="p0", seq=0, blocks={"device": doc.block_keys}))
-    assert placed(h.admit(make_spec("a", prompt_len=16_000))) == {"a": "p0"}  # 2 s of work there
-    question = make_spec("q", prompt=doc.prompt_tokens + make_spec("x", prompt_len=1_000).prompt_tokens)
+    assert placed(h.admit(make_spec("a", prompt_len=queued))) == {"a": "p0"}
+    return h, make_spec("q", prompt=doc.prompt_tokens + make_spec("x", prompt_len=1_000).prompt_tokens)
+
+
+def test_a_late_request_whose_prefix_a_busy_worker_holds_runs_there_not_on_the_idle_one() -> None:
+    h, question = _document_on_p0(16_000)  # 2 s of work on p0
     # 16,000 queued + its 1,000 uncached on p0, 17,000 on p1: 2.1 s either way, late. p1 has
     # slack, but p0 computes it in 0.125 s (within a tenth of the SLO): p0, not 16,000
     # tokens recomputed on p1 and the document cached twice
@@ -93,13 +99,7 @@ def test_a_late_request_whose_prefix_a_busy_worker_holds_runs_there_not_on_the_i
 
 
 def test_a_late_request_does_not_wait_where_its_prefix_is_past_the_time_it_would_be_shed() -> None:
-    from switchyard.schemas import KvSnapshot
-
-    h = fleet(workers=2, worker_expiry_s=100.0)
-    doc = make_spec("doc", prompt_len=16_000)
-    h.core.index.load_snapshot(KvSnapshot(worker_id="p0", seq=0, blocks={"device": doc.block_keys}))
-    assert placed(h.admit(make_spec("a", prompt_len=40_000))) == {"a": "p0"}  # 5 s of work there
-    question = make_spec("q", prompt=doc.prompt_tokens + make_spec("x", prompt_len=1_000).prompt_tokens)
+    h, question = _document_on_p0(40_000)  # 5 s of work on p0
     # On p0 its first token would come after 5.1 s, past the 4 s (2 SLOs) at which it would
     # be shed: not there, but on p1's slack
     assert placed(h.admit(question)) == {"q": "p1"}
