@@ -640,17 +640,17 @@ class SchedulerCore:
         this, a follow-up turn whose history it holds recomputes all of it elsewhere."""
         rate = placement.worker.prefill_rate
         here = (placement.worker.load_tokens + placement.tokens) / rate
-        best: tuple[int, int, str, WorkerState] | None = None
+        best: tuple[tuple[int, int, str], WorkerState] | None = None
         for lent in self.fleet.lent.values():
             if lent.load_tokens or not lent.kv_room(tracked.decode_tokens):
                 continue
             need = self.placer.need(tracked, lent)
             if need > most or need >= placement.tokens or need / rate + self._lending.tpot[True] >= here:
                 continue
-            key = (need, len(lent.held), lent.worker_id, lent)
-            if best is None or key[:3] < best[:3]:
-                best = key
-        return None if best is None else Placement(best[3], "local", best[0])
+            key = (need, len(lent.held), lent.worker_id)
+            if best is None or key < best[0]:
+                best = (key, lent)
+        return None if best is None else Placement(best[1], "local", best[0][0])
 
     def _prefill_placement(self, tracked: Tracked, now: float) -> Placement | None:
         """The policy's placement; under the hold (``fleet.hold_s``), the one without it if
@@ -768,8 +768,8 @@ class SchedulerCore:
         weight = 0.0 if self._busy_at is None else min(1.0, (now - self._busy_at) / _BUSY_WINDOW_S)
         before = self._spare_lately_states()
         self._busy, self._busy_at = (1 - weight) * self._busy + weight * busy, now
-        hold_s = _HOLD_S if self._busy >= _HOLD_BUSY else 0.0
         self.fleet.busy = self._busy >= _HOLD_BUSY
+        hold_s = _HOLD_S if self.fleet.busy else 0.0
         if self._spare_lately_states() != before or hold_s != self.fleet.hold_s:
             self.fleet.hold_s = hold_s
             self._epoch += 1  # a late head blocked for want of slack may find it now

@@ -116,15 +116,12 @@ class Placer:
         """Of the ``workers`` that fit the prompt and would compute at most ``most_s`` of it
         at their prefill rate (a cached prefix there, or a short prompt), and would have it
         done, behind their queue, within ``within_s``: the one that computes least, then the
-        soonest done, then the lowest id; None if there is none. Only workers the index
-        matches are read unless the prompt is short enough for any."""
+        soonest done, then the lowest id; None if there is none."""
         blocks, device = self.index.match_counts(request.spec.block_keys)
         view = self._view(request, blocks, device, -math.inf)
         best: tuple[tuple[float, float, str], WorkerState] | None = None
         for worker in workers:
-            if worker.role == "decode" or (
-                request.prompt_tokens > most_s * worker.prefill_rate and not view.matched(worker.worker_id)
-            ):
+            if worker.role == "decode":
                 continue
             uncached = view.uncached_tokens(worker)
             if uncached > most_s * worker.prefill_rate or not self._fits(worker, request, view):

@@ -14,7 +14,7 @@ import pytest
 
 from switchyard.scheduler import Dispatch, FailStream
 from switchyard.scheduler.policies import Switchyard
-from switchyard.scheduler.state import Tracked
+from switchyard.scheduler.state import Fleet, Tracked
 from switchyard.schemas import Admitted, LocalTask, PrefillTask, RequestSpec
 from tests.support.factories import make_spec, prefill_done, request_finished
 from tests.unit.test_policies import tracked, view, worker
@@ -239,17 +239,15 @@ def test_on_a_colocated_fleet_the_safe_choice_also_weighs_what_each_worker_decod
 
 
 def test_on_a_fleet_busy_lately_a_colocated_workers_queue_weighs_nothing_beside_the_compute_it_saves() -> None:
-    from switchyard.scheduler.state import Fleet
-
     holder, idle = worker("w1", load=2_000, requests=1, role="both"), worker("w2", role="both")
-    fleet = Fleet()
+    both = Fleet()
     for w in (holder, idle):
-        fleet.add(w)
+        both.add(w)
     request = tracked(prompt_len=6_400)
     cached = replace(view({"w1": (370, 370)}, prompt=6_400), ttft_budget_s=10.0)  # w1 holds 5,920 tokens
     # Capacity to spare: 480 to compute behind 2,000 queued (4 x) against 6,400 on the idle one
     assert Switchyard().choose(request, [holder, idle], cached).worker_id == "w2"
-    fleet.busy = True  # busy lately: the 5,920 tokens it saves are the next request's capacity
+    both.busy = True  # busy lately: the 5,920 tokens it saves are the next request's capacity
     assert Switchyard().choose(request, [holder, idle], cached).worker_id == "w1"
 
 
