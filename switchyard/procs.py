@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,10 +41,69 @@ def nats_server_binary() -> Path:
     return Path(found)
 
 
+# Ports handed out by free_port stay reserved (a file each, here) this long, so that two
+# processes of one machine (pytest-xdist workers, regions of one bench) never pick the same
+# port in the time between picking it and the server binding it.
+_RESERVED_DIR = Path(tempfile.gettempdir()) / "switchyard-ports"
+_RESERVED_S = 600.0
+_PICKS = 200
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on ``host`` now, for a child to listen on soon.
+
+    Not ``bind(port 0)``: the kernel takes that port from the ephemeral range, the same range
+    it draws the local port of every outgoing connection from, so in the seconds before the
+    child binds it a client's connection (to NATS, to a worker) could take it: "Address
+    already in use" in a fresh CI run. The port is drawn from below that range instead, and
+    reserved against other processes of this machine for ``_RESERVED_S``.
+    """
+    low, high = _unclaimed_range()
+    rng = random.Random()
+    for _ in range(_PICKS):
+        port = rng.randrange(low, high)
+        if _bindable(host, port) and _reserve(port):
+            return port
+    with socket.socket() as s:  # a crowded range: the kernel's pick, as before
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _unclaimed_range() -> tuple[int, int]:
+    """Ports the kernel never hands out by itself: below its ephemeral range, or above it."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    if low - 10_000 >= 2_000:
+        return 10_000, low
+    return (high + 1, 65_536) if high < 63_000 else (1_024, max(low, 2_048))
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _reserve(port: int) -> bool:
+    _RESERVED_DIR.mkdir(exist_ok=True)
+    path = _RESERVED_DIR / str(port)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        pass
+    try:
+        if time.time() - path.stat().st_mtime < _RESERVED_S:
+            return False
+        os.utime(path)  # a stale reservation: taken over
+        return True
+    except OSError:
+        return False
 
 
 def _program(proc: subprocess.Popen[bytes]) -> str:
