@@ -506,21 +506,55 @@ static inline double ceil_small(double x) {
     return down < x ? down + 1.0 : down;
 }
 
+/* One worker that fits, kept by the first pass for the second (``spread``). */
+typedef struct {
+    int64_t slot;
+    double pred, uncached, need, work, tie;
+    int crowds;
+} Fit;
+
+/* ``spread_slots``: of the ``m`` workers in ``fit`` that ``equal`` says cost the same work,
+ * those whose predicted TTFT is at most ``edge`` (``near_factor`` times the least of theirs),
+ * the one that took new content longest ago (``filled``; unread where ``edge`` is that least
+ * itself: a fleet with colocated workers), then the quickest, then the lowest rank. ``equal``
+ * NULL: those of uncached tokens ``uncached``. */
+static const Fit *spread(const Fit *fit, Py_ssize_t m, const Fit *equal, double uncached, double least,
+                         double near, const double *filled, const int64_t *rank) {
+    const Fit *best = NULL;
+    const double edge = least * near;
+    const int by_filled = near != 1.0;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        const Fit *f = &fit[j];
+        if (equal ? (f->work != equal->work || f->crowds != equal->crowds || f->tie != equal->tie)
+                  : f->uncached != uncached)
+            continue;
+        if (!(f->pred <= edge)) continue;
+        double at = by_filled ? filled[f->slot] : 0.0, best_at = best && by_filled ? filled[best->slot] : 0.0;
+        if (best == NULL || at < best_at ||
+            (at == best_at &&
+             (f->pred < best->pred || (f->pred == best->pred && rank[f->slot] < rank[best->slot]))))
+            best = f;
+    }
+    return best;
+}
+
 /* ``choose_prefill`` with no SLO to keep (``limit`` infinite): among the workers that fit,
- * the least predicted TTFT, ties to the lowest rank. The same operations on the same values
- * as the general loop's branch for a worker that is not safe, in a loop with nothing else:
- * most requests are placed here, and its scan over ~750 workers was a seventh of the core's
- * instructions. */
+ * the least predicted TTFT; then (``spread``) of those that compute as much as the quickest
+ * and are within ``near`` of its time, the one filled longest ago. The same operations on
+ * the same values as the general loop's branch for a worker that is not safe, in a loop with
+ * nothing else: most requests are placed here, and its scan over ~750 workers was a seventh
+ * of the core's instructions. */
 static PyObject *quickest(const double *load, const double *rate, const double *budget, const double *kv,
                           const double *kvcap, const double *holding, const double *coloc, const int64_t *rank,
                           const int64_t *slots, const int64_t *rows, const int32_t *blocks, const int32_t *device,
                           Py_ssize_t nfleet, Py_ssize_t n, Py_ssize_t nblocks, long long prompt, long long block_size,
                           double fetch_credit, long long decode_tokens, int check_kv, const double *factor,
-                          double prefill_scale, double both_scale) {
+                          double prefill_scale, double both_scale, const double *filled, double near, Fit *fit) {
     const double whole = (double)prompt, whole_need = ceil_small(whole) >= 1.0 ? ceil_small(whole) : 1.0;
     const int prefill_scaled = prefill_scale == prefill_scale, both_scaled = both_scale == both_scale;
-    double best_pred = INFINITY, best_need = 0.0;
+    double best_pred = INFINITY, best_unc = INFINITY;
     int64_t best = -1;
+    Py_ssize_t m = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = slots[i];
         if (s < 0 || s >= nfleet) {
@@ -545,14 +579,18 @@ static PyObject *quickest(const double *load, const double *rate, const double *
         double w = colocated ? (both_scaled ? factor[s] * both_scale : rate[s])
                              : (prefill_scaled ? factor[s] * prefill_scale : rate[s]);
         double pred = (l + uncached) / w; /* choose_slots */
-        if (pred < best_pred || best < 0 || (pred == best_pred && rank[s] < rank[best])) {
+        fit[m++] = (Fit){.slot = s, .pred = pred, .uncached = uncached, .need = need};
+        if (pred < best_pred || best < 0) {
             best_pred = pred;
+            best_unc = uncached;
             best = s;
-            best_need = need;
+        } else if (pred == best_pred && uncached < best_unc) {
+            best_unc = uncached;
         }
     }
     if (best < 0) return Py_NewRef(Py_None);
-    return Py_BuildValue("Ld", (long long)best, best_need);
+    const Fit *chosen = spread(fit, m, NULL, best_unc, best_pred, near, filled, rank);
+    return Py_BuildValue("Ld", (long long)chosen->slot, chosen->need);
 }
 
 /* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, rank, slots, rows, blocks,
@@ -577,18 +615,19 @@ static PyObject *quickest(const double *load, const double *rate, const double *
  * decodes, then the quickest; else the quickest. */
 static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_rank, *o_slots, *o_rows,
-        *o_blocks, *o_device, *o_placed, *o_edge, *o_factor;
+        *o_blocks, *o_device, *o_placed, *o_edge, *o_factor, *o_filled;
     long long prompt, block_size, decode_tokens;
-    double fetch_credit, limit, queue_weight, kv_weight, prefill_scale, both_scale;
+    double fetch_credit, limit, queue_weight, kv_weight, prefill_scale, both_scale, near;
     int check_kv;
-    if (parse_args(args, nargs, "choose_prefill", "OOOOOOOOOOOOLLdLpdddOOOdd", &o_load, &o_rate, &o_budget, &o_kv,
+    if (parse_args(args, nargs, "choose_prefill", "OOOOOOOOOOOOLLdLpdddOOOddOd", &o_load, &o_rate, &o_budget, &o_kv,
                    &o_kvcap, &o_holding, &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt,
                    &block_size, &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_weight, &o_placed,
-                   &o_edge, &o_factor, &prefill_scale, &both_scale) < 0)
+                   &o_edge, &o_factor, &prefill_scale, &both_scale, &o_filled, &near) < 0)
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
-    double *load, *rate, *budget, *kv, *kvcap, *holding, *coloc, *placed, *edge, *factor;
+    Fit *fit = NULL;
+    double *load, *rate, *budget, *kv, *kvcap, *holding, *coloc, *placed, *edge, *factor, *filled;
     int64_t *rank, *slots, *rows;
     int32_t *blocks, *device;
     Py_ssize_t nfleet, n, nrows, nblocks, ndevice, k;
@@ -600,21 +639,27 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
         !(rows = take(&b, o_rows, 8, 0, &nrows)) || nrows != nfleet || !(blocks = take(&b, o_blocks, 4, 0, &nblocks)) ||
         !(device = take(&b, o_device, 4, 0, &ndevice)) || ndevice != nblocks ||
         !(placed = take(&b, o_placed, 8, 0, &k)) || k != nfleet || !(edge = take(&b, o_edge, 8, 0, &k)) || k != nfleet ||
-        !(factor = take(&b, o_factor, 8, 0, &k)) || k != nfleet) {
+        !(factor = take(&b, o_factor, 8, 0, &k)) || k != nfleet || !(filled = take(&b, o_filled, 8, 0, &k)) ||
+        k != nfleet) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
+        goto done;
+    }
+    if (!(fit = PyMem_Malloc(sizeof(Fit) * (size_t)(n > 0 ? n : 1)))) {
+        PyErr_NoMemory();
         goto done;
     }
     int slo = limit < INFINITY; /* -inf (a late request): nothing is safe, the quickest wins */
     if (!slo) {
         result = quickest(load, rate, budget, kv, kvcap, holding, coloc, rank, slots, rows, blocks, device, nfleet, n,
                           nblocks, prompt, block_size, fetch_credit, decode_tokens, check_kv, factor, prefill_scale,
-                          both_scale);
+                          both_scale, filled, near, fit);
         goto done;
     }
     int any_safe = 0;
-    double best_work = INFINITY, best_tie = INFINITY, best_pred = INFINITY, best_need = 0.0;
+    double best_work = INFINITY, best_tie = INFINITY, best_pred = INFINITY, best_unc = INFINITY;
     int best_crowds = 1;
     int64_t best = -1;
+    Py_ssize_t m = 0, best_at = -1;
     int64_t last_nb = -1, last_nd = -1; /* no worker's: the first computes its own */
     double uncached = 0.0, need = 1.0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -642,10 +687,12 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
         if (check_kv && coloc[s] != 0.0 && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s])) continue;
         double scale = coloc[s] != 0.0 ? both_scale : prefill_scale; /* NaN: ``rate`` holds it */
         double pred = (load[s] + uncached) / (scale == scale ? factor[s] * scale : rate[s]); /* choose_slots */
-        double work;
+        double work = uncached, tie = 0.0;
+        int crowds = 0;
         int safe = slo && pred <= limit;
+        fit[m] = (Fit){.slot = s, .pred = pred, .uncached = uncached, .need = need};
         if (safe) {
-            double tie = 0.0; /* with kv_weight 0, a colocated worker's KV breaks ties */
+            /* with kv_weight 0, a colocated worker's KV breaks ties */
             if (coloc[s] == 0.0) {
                 work = uncached;
             } else if (kv_weight != 0.0) {
@@ -654,7 +701,8 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
                 work = uncached + queue_weight * load[s];
                 tie = kv[s];
             }
-            int crowds = coloc[s] != 0.0 && uncached > edge[s] - placed[s];
+            crowds = coloc[s] != 0.0 && uncached > edge[s] - placed[s];
+            fit[m].work = work, fit[m].tie = tie, fit[m].crowds = crowds;
             int same_work = work == best_work, same_crowds = same_work && crowds == best_crowds;
             if (!any_safe || work < best_work || (same_work && crowds < best_crowds) ||
                 (same_crowds && (tie < best_tie || (tie == best_tie && pred < best_pred)))) {
@@ -664,25 +712,38 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
                 best_tie = tie;
                 best_pred = pred;
             } else if (!(same_crowds && tie == best_tie && pred == best_pred && rank[s] < rank[best])) {
+                m++;
                 continue; /* worse, or tied with a lower id */
             }
         } else {
+            fit[m].work = INFINITY; /* equal to no safe worker's */
+            m++;
             if (any_safe) continue;
             if (pred < best_pred || best < 0) {
                 best_pred = pred;
-            } else if (!(pred == best_pred && rank[s] < rank[best])) {
+                best_unc = uncached;
+            } else if (pred == best_pred && uncached < best_unc) {
+                best_unc = uncached;
+                continue;
+            } else {
                 continue;
             }
+            best = s;
+            continue;
         }
         best = s;
-        best_need = need;
+        best_at = m++;
     }
     if (best < 0) {
         result = Py_NewRef(Py_None);
     } else {
-        result = Py_BuildValue("Ld", (long long)best, best_need);
+        /* spread_slots: the safe workers of the best's work, or the quickest's uncached tokens */
+        const Fit *chosen = any_safe ? spread(fit, m, &fit[best_at], 0.0, best_pred, near, filled, rank)
+                                     : spread(fit, m, NULL, best_unc, best_pred, near, filled, rank);
+        result = Py_BuildValue("Ld", (long long)chosen->slot, chosen->need);
     }
 done:
+    PyMem_Free(fit);
     release(&b);
     return result;
 }

@@ -80,5 +80,7 @@ def choose_prefill(
     factor: Buffer,
     prefill_scale: float,
     both_scale: float,
+    filled: Buffer,
+    near: float,
 ) -> tuple[int, float] | None: ...
 def choose_decode(load: Buffer, budget: Buffer, running: Buffer, rank: Buffer, slots: Buffer, tokens: int) -> int: ...

@@ -152,6 +152,7 @@ _HOLD_S = 0.15
 _SIZE_WEIGHT = 64.0
 _RATE_MIN_TOKENS = 2048  # a prediction of fewer tokens than this is mostly fixed costs
 _RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sample
+_DEVICE_CLASS_MAX = 64  # characters of a worker's ``LoadReport.device_class`` kept
 _OWN_RATE_WEIGHT = 0.02  # ...and of a worker's own factor over its role's rate (``Fleet.learn_rate``)
 
 
@@ -850,6 +851,8 @@ class SchedulerCore:
         worker, spec = placement.worker, tracked.spec
         tracked.dispatched_at, tracked.ahead_tokens = now, worker.load_tokens + placement.tokens
         worker.assign(spec.request_id, placement.tokens)
+        if placement.tokens >= spec.block_size and worker.fleet is self.fleet:
+            self.fleet.mark_filled(worker)
         if worker.role == "both":
             worker.placed_tokens += placement.tokens
         # A colocated worker decodes what it prefilled, unless some are lent to decoding.
@@ -1015,6 +1018,7 @@ class SchedulerCore:
                 block_size=report.block_size,
                 last_seen=now,
                 own_rate=self.config.default_prefill_tokens_per_s,
+                device_class=report.device_class[:_DEVICE_CLASS_MAX],
             )
             self._epoch += 1
             self.fleet.add(worker)

@@ -57,6 +57,12 @@ class WorkerState:
     placed_tokens: float = 0.0
     room_edges: dict[str, float] = field(default_factory=dict)
     room_edge: float = math.inf
+    # When a prompt last computed new blocks here, in the fleet's count of such placements
+    # (``Fleet.fills``; 0: never): ``switchyard`` spreads new content by it.
+    filled_at: float = 0.0
+    # The kind of hardware it reported (``LoadReport.device_class``): the workers of a role
+    # that report one class share one prefill rate (``Fleet.learn_rate``).
+    device_class: str = ""
     last_report: LoadReport | None = None  # as reported: engine, boot time, engine counters
     fleet: Fleet | None = field(default=None, repr=False, compare=False)  # set by ``Fleet.add``
     slot: int = field(default=-1, repr=False, compare=False)  # its row in the fleet's arrays
@@ -200,7 +206,17 @@ class Tracked:
 # ``assigned`` or ``held`` (``assign``, ``hold``, ``release``) is followed by setting those,
 # even to the same value.
 _MIRRORED = frozenset(
-    {"load_tokens", "kv_tokens", "token_budget", "kv_capacity", "last_seen", "role", "placed_tokens", "room_edge"}
+    {
+        "load_tokens",
+        "kv_tokens",
+        "token_budget",
+        "kv_capacity",
+        "last_seen",
+        "role",
+        "placed_tokens",
+        "room_edge",
+        "filled_at",
+    }
 )
 # The arrays, and what a free slot reads.
 _ARRAYS = {
@@ -216,6 +232,7 @@ _ARRAYS = {
     "last_seen": math.inf,
     "placed": 0.0,  # placed_tokens
     "room_edge": math.inf,
+    "filled": 0.0,  # filled_at
 }
 
 
@@ -245,6 +262,7 @@ class Fleet:
     last_seen: npt.NDArray[np.float64]
     placed: npt.NDArray[np.float64]
     room_edge: npt.NDArray[np.float64]
+    filled: npt.NDArray[np.float64]
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerState] = {}
@@ -259,6 +277,9 @@ class Fleet:
         # their raw factors (``factor``): a worker's rate is its raw factor over the mean.
         self.shared_rate: dict[str, float] = {}
         self._factor_sum: dict[str, float] = {}
+        # Per role, how many of its workers report each device class: a factor is learnt
+        # only where a role has more than one (``learn_rate``).
+        self._classes: dict[str, Counter[str]] = {}
         self.decode_capacity = 0
         # Seconds of prefill a worker that hands its prompts over may hold (``fit_budget``;
         # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
@@ -269,6 +290,8 @@ class Fleet:
         # Whether the colocated workers' decodes have run within half the TPOT SLO lately (set
         # by the core): then ``switchyard`` weighs the KV they decode only to break ties.
         self.decode_slack = False
+        # Placements that computed new blocks (``mark_filled``): the clock of ``filled_at``.
+        self.fills = 0
         self.ids: list[str | None] = []  # slot -> worker id
         # Roles whose rates ``learn_rate`` changed and ``rate`` has not yet been rewritten
         # for: their rates are ``factor`` times ``_rate_scale`` (``rate_of``, ``native_rates``).
@@ -297,6 +320,7 @@ class Fleet:
         self.workers[worker.worker_id] = worker
         (self.decode if worker.role == "decode" else self.prefill)[worker.worker_id] = worker
         self.roles[worker.role] += 1
+        self._classes.setdefault(worker.role, Counter())[worker.device_class] += 1
         self.decode_capacity += kv_share(worker)
         worker.slot = slot
         for name, value in self._row(worker).items():
@@ -332,6 +356,10 @@ class Fleet:
         worker.own_rate = float(self.rate[slot])  # what it leaves with
         scale = self._rate_scale(role)
         self.roles[role] -= 1
+        classes = self._classes[role]
+        classes[worker.device_class] -= 1
+        if not classes[worker.device_class]:
+            del classes[worker.device_class]
         if not self.roles[role]:
             del self.shared_rate[role], self._factor_sum[role]
         else:  # the others' rates as they were: the same scale over the factors left
@@ -372,6 +400,8 @@ class Fleet:
             self.placed[slot] = value
         elif name == "room_edge":
             self.room_edge[slot] = value
+        elif name == "filled_at":
+            self.filled[slot] = value
         elif name == "role":
             assert value == worker.role, "a worker's role is fixed: it registers again under a new one"
         else:  # token_budget, kv_capacity: the decode capacity too
@@ -379,6 +409,12 @@ class Fleet:
             object.__setattr__(worker, name, value)
             self.decode_capacity += kv_share(worker)
             (self.budget if name == "token_budget" else self.kv_cap)[slot] = value
+
+    def mark_filled(self, worker: WorkerState) -> None:
+        """A prompt placed on ``worker`` computes new blocks: its cache takes new content
+        (and, full, evicts its least recent)."""
+        self.fills += 1
+        worker.filled_at = float(self.fills)
 
     def set_rate(self, worker: WorkerState, rate: float) -> None:
         """Set one worker's prefill rate (its raw factor), leaving the others' as they are."""
@@ -395,13 +431,24 @@ class Fleet:
         sample with its noise: learnt per worker, that noise alone made their rates differ,
         and placement followed it (the faster-looking worker took more, and its queue
         grew). So a worker's rate is its role's shared rate, learnt from every worker's
-        samples (``weight``), times its own factor, learnt slowly (``own_weight``) from how
-        its samples compare with the shared rate. Factors are kept raw, each worker's
-        relative one being its raw factor over the role's mean (so they average 1): one
-        sample changes one factor and the scale, and the rates are one vector product
-        (made when ``rate`` is next read: ``_stale_rates``). On
-        a fleet of unlike GPUs the factors come to say which is faster; with one worker,
-        the rate is its own, learnt at ``weight``."""
+        samples (``weight``), times a factor of its device class (``device_class``),
+        learnt slowly (``own_weight``) from how its samples compare with the shared rate,
+        and only where the role's workers report more than one class. Learnt per worker in
+        a fleet of identical GPUs, the factors came to tell the workload apart, not the
+        hardware: a worker that prefilled whole prompts measured more tokens a second than
+        one that computed short suffixes of long cached prefixes (the attention over the
+        prefix, the fixed cost of an iteration), looked up to 1.6x faster, took the next
+        prompt cached nowhere, and so on (long shared documents, 6 + 2 at light load: two
+        workers of six took 80 % of those, and the hit ratio fell from 0.77 to 0.67).
+        A colocated worker keeps a factor of its own: its prompts share iterations with the
+        sequences it decodes, which are its own and last, so its factor measures something
+        of it (pooled, goodput at saturation fell 3-6 % on the colocated cases measured).
+
+        Factors are kept raw, each worker's relative one being its raw factor over the
+        role's mean (so they average 1): one sample changes its class's factors and the
+        scale, and the rates are one vector product (made when ``rate`` is next read:
+        ``_stale_rates``). On a fleet of unlike GPUs, each kind named, the factors come to
+        say which is faster; with one worker, the rate is its own, learnt at ``weight``."""
         # Python floats, not numpy scalars, in the scalar steps: the same IEEE operations on
         # the same values, at a fraction of the cost (this runs once per prefill).
         role, slot, factors = worker.role, worker.slot, self.factor
@@ -410,10 +457,17 @@ class Fleet:
         old = float(factors[slot])
         relative = old / mean
         shared = (1 - weight) * float(self.shared_rate[role]) + weight * sample / relative
-        relative = (1 - own_weight) * relative + own_weight * sample / shared
-        new = relative * mean
-        factor_sum += new - old
-        factors[slot] = new
+        if role == "both":  # its own factor: what it decodes beside its prompts is its own
+            new = ((1 - own_weight) * relative + own_weight * sample / shared) * mean
+            factor_sum += new - old
+            factors[slot] = new
+        elif len(self._classes[role]) > 1:  # unlike hardware: the worker's class's factor moves
+            step = ((1 - own_weight) * relative + own_weight * sample / shared) / relative
+            kind = worker.device_class
+            slots = [w.slot for w in self.workers.values() if w.role == role and w.device_class == kind]
+            before = float(factors[slots].sum())
+            factors[slots] *= step
+            factor_sum += before * step - before
         self.shared_rate[role] = shared
         if not 0.5 < mean < 2.0:  # raw factors drift together: bring them back (the rates stay)
             factors[self._slots_of_role(role)] /= mean
@@ -562,6 +616,7 @@ class Fleet:
             "last_seen": worker.last_seen,
             "placed": worker.placed_tokens,
             "room_edge": worker.room_edge,
+            "filled": worker.filled_at,
         }
 
     def check_invariants(self) -> None:
@@ -576,6 +631,8 @@ class Fleet:
             if n:
                 factors = [self.factor[w.slot] for w in self.workers.values() if w.role == role]
                 assert math.isclose(self._factor_sum[role], sum(factors), rel_tol=1e-9), role
+                kinds = Counter(w.device_class for w in self.workers.values() if w.role == role)
+                assert self._classes[role] == kinds, (role, self._classes[role])
         for worker in self.workers.values():
             slot = worker.slot
             assert worker.fleet is self and self.ids[slot] == worker.worker_id, worker.worker_id

@@ -301,6 +301,9 @@ class LoadReport(_Wire, frozen=True, tag="load"):
     stats: EngineStats | None = None  # an engine that counts (vllm)
     # Every request it holds, in answer to a roll call (None in an ordinary heartbeat).
     held: list[HeldRequest] | None = None
+    # The kind of hardware it runs on, as its operator names it (GPU model and parallelism):
+    # the workers of a role that name one class share one prefill rate ("": one unnamed class).
+    device_class: str = ""
 
 
 class PrefillDone(_Wire, frozen=True, tag="prefill_done"):

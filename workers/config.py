@@ -12,6 +12,8 @@ from switchyard.schemas import ConfigStruct, Role, setting
 from switchyard.workers.sim import SimEngineConfig
 from switchyard.workers.vllm_config import VllmEngineConfig
 
+DEVICE_CLASS_MAX = 64  # characters of ``device_class`` (the scheduler keeps no more)
+
 
 class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
     nats_url: NatsUrl = DEFAULT_NATS_URL
@@ -29,6 +31,14 @@ class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
         int, setting("prefill: prompt tokens accepted in flight; decode: KV tokens held (prompt + max_tokens)", gt=0)
     ] = 65_536
     report_interval_s: Annotated[float, setting("seconds between heartbeats (load reports)", gt=0)] = 0.5
+    device_class: Annotated[
+        str,
+        setting(
+            "the kind of hardware it runs on (say H100x2): workers that name one class share one prefill "
+            "rate; in a fleet of unlike GPUs, name each kind",
+            max_length=DEVICE_CLASS_MAX,
+        ),
+    ] = ""
     # See workers/decode.py.
     min_publish_interval_s: Annotated[float, setting("decode: steps faster than this share one bus message", ge=0)] = (
         0.001

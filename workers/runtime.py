@@ -322,6 +322,7 @@ class WorkerRuntime:
                 boot_s=self._boot_s(),
                 stats=self._engine_stats(),
                 held=held,
+                device_class=cfg.device_class,
             )
         )
 

@@ -89,6 +89,7 @@ def load_report(
     running: int = 0,
     block_size: int = BLOCK_SIZE,
     interval_s: float = 0.5,
+    device_class: str = "",
 ) -> LoadReport:
     return LoadReport(
         worker_id=worker_id,
@@ -101,6 +102,7 @@ def load_report(
         inflight_tokens=inflight,
         running=running,
         interval_s=interval_s,
+        device_class=device_class,
     )
 
 

@@ -69,7 +69,7 @@ def test_each_policy_says_whether_it_takes_the_least_of_a_key() -> None:
         "llmd": False,
         "llmd_precise": False,
         "prefix": False,
-        "switchyard": True,
+        "switchyard": False,  # the near-equals are near the quickest of those that fit
     }
 
 

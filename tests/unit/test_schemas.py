@@ -126,6 +126,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             kv_capacity_tokens=90_000,
             boot_s=12.5,
             stats=STATS,
+            device_class="H100x2",
             held=[
                 m.HeldRequest(
                     request_id="r-42",

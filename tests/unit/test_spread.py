@@ -1,0 +1,69 @@
+"""Where new content goes: ``switchyard`` spreads prompts cached nowhere over a disaggregated
+prefill fleet (``policies._NEAR``), and workers of one device class share one prefill rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchyard.scheduler import Dispatch, SchedulerConfig, SchedulerCore
+from switchyard.schemas import PrefillTask
+from tests.support.factories import FakeClock, load_report, make_spec, prefill_done
+
+
+def core_with(roles: dict[str, str], ttft_slo_s: float) -> tuple[SchedulerCore, FakeClock]:
+    core, clock = SchedulerCore(SchedulerConfig(policy="switchyard", ttft_slo_s=ttft_slo_s)), FakeClock()
+    for wid, role in roles.items():
+        core.on_event(load_report(wid, role, budget=1_000_000, seq=1), clock.now)  # type: ignore[arg-type]
+    return core, clock
+
+
+def place_one_at_a_time(core: SchedulerCore, clock: FakeClock, n: int) -> list[str]:
+    """``n`` prompts of new content, each prefilled before the next arrives: every worker idle."""
+    where = []
+    for i in range(n):
+        spec = make_spec(f"r{i}", prompt_len=2_000)
+        _, actions = core.submit(spec, clock.now)
+        (task,) = [a for a in actions if isinstance(a, Dispatch) and isinstance(a.task, PrefillTask)]
+        where.append(task.worker_id)
+        clock.advance(0.25)
+        core.on_event(prefill_done(spec, task.worker_id, prefill_s=0.25), clock.now)
+        core.check_invariants()
+    return where
+
+
+@pytest.mark.parametrize("ttft_slo_s", [0.0, 2.0], ids=["no-slo", "slo"])
+def test_prompts_cached_nowhere_go_round_an_idle_prefill_fleet(ttft_slo_s: float) -> None:
+    # Before, the quickest always took them: among idle workers of equal rate the lowest id,
+    # so p0's cache took every new document and churned while p1 and p2 kept old ones.
+    core, clock = core_with({"p0": "prefill", "p1": "prefill", "p2": "prefill", "d0": "decode"}, ttft_slo_s)
+    assert place_one_at_a_time(core, clock, 6) == ["p0", "p1", "p2", "p0", "p1", "p2"]
+
+
+@pytest.mark.parametrize(("queued", "expected"), [(100, "p0"), (300, "p1")])
+def test_a_worker_filled_longer_ago_takes_the_prompt_only_if_near_the_quickest(queued: int, expected: str) -> None:
+    # p1, idle, took new content last; p0 took it before and has ``queued`` tokens ahead of a
+    # 2,000-token prompt: 5 % slower is near (p0 takes it), 15 % is not (p1, the quickest).
+    core, clock = core_with({"p0": "prefill", "p1": "prefill", "d0": "decode"}, 2.0)
+    core.fleet.mark_filled(core.workers["p0"])
+    core.fleet.mark_filled(core.workers["p1"])
+    core.workers["p0"].assign("ahead", queued)
+    _, actions = core.submit(make_spec("r", prompt_len=2_000), clock.now)
+    assert [a.worker_id for a in actions] == [expected]
+
+
+def test_on_a_colocated_fleet_the_quickest_takes_the_prompt_as_before() -> None:
+    # c0 took new content last; on a prefill fleet c1 would take the next prompt, here the
+    # quickest does, ties to the lowest id.
+    core, clock = core_with({"c0": "both", "c1": "both", "c2": "both"}, 2.0)
+    core.fleet.mark_filled(core.workers["c0"])
+    _, actions = core.submit(make_spec("r", prompt_len=2_000), clock.now)
+    assert [a.worker_id for a in actions] == ["c0"]
+
+
+def test_a_workers_device_class_comes_from_its_report_and_is_bounded() -> None:
+    core, clock = SchedulerCore(SchedulerConfig()), FakeClock()
+    core.on_event(load_report("p0", device_class="H100x2", seq=1), clock.now)
+    core.on_event(load_report("p1", device_class="x" * 500, seq=1), clock.now)
+    assert core.workers["p0"].device_class == "H100x2"
+    assert core.workers["p1"].device_class == "x" * 64
+    core.check_invariants()
