@@ -513,34 +513,28 @@ typedef struct {
     int crowds;
 } Fit;
 
-/* ``spread_slots``: of the ``m`` workers in ``fit`` that ``equal`` says cost the same work,
- * those whose predicted TTFT is at most ``edge`` (``near_factor`` times the least of theirs),
- * the one that took new content longest ago (``filled``; unread where ``edge`` is that least
- * itself: a fleet with colocated workers), then the quickest, then the lowest rank. ``equal``
- * NULL: those of uncached tokens ``uncached``. */
+/* ``spread_slots``: of the ``m`` workers in ``fit`` that ``equal`` says cost the same work
+ * and whose predicted TTFT is ``least`` (the least of theirs), the one that took new content
+ * longest ago (``filled``, read only with ``by_filled``: not on a fleet with colocated
+ * workers), then the lowest rank. ``equal`` NULL: those of uncached tokens ``uncached``. */
 static const Fit *spread(const Fit *fit, Py_ssize_t m, const Fit *equal, double uncached, double least,
-                         double near, const double *filled, const int64_t *rank) {
+                         int by_filled, const double *filled, const int64_t *rank) {
     const Fit *best = NULL;
-    const double edge = least * near;
-    const int by_filled = near != 1.0;
     for (Py_ssize_t j = 0; j < m; j++) {
         const Fit *f = &fit[j];
         if (equal ? (f->work != equal->work || f->crowds != equal->crowds || f->tie != equal->tie)
                   : f->uncached != uncached)
             continue;
-        if (!(f->pred <= edge)) continue;
+        if (f->pred != least) continue;
         double at = by_filled ? filled[f->slot] : 0.0, best_at = best && by_filled ? filled[best->slot] : 0.0;
-        if (best == NULL || at < best_at ||
-            (at == best_at &&
-             (f->pred < best->pred || (f->pred == best->pred && rank[f->slot] < rank[best->slot]))))
-            best = f;
+        if (best == NULL || at < best_at || (at == best_at && rank[f->slot] < rank[best->slot])) best = f;
     }
     return best;
 }
 
 /* ``choose_prefill`` with no SLO to keep (``limit`` infinite): among the workers that fit,
  * the least predicted TTFT; then (``spread``) of those that compute as much as the quickest
- * and are within ``near`` of its time, the one filled longest ago. The same operations on
+ * and are as quick, the one filled longest ago. The same operations on
  * the same values as the general loop's branch for a worker that is not safe, in a loop with
  * nothing else: most requests are placed here, and its scan over ~750 workers was a seventh
  * of the core's instructions. */
@@ -549,7 +543,8 @@ static PyObject *quickest(const double *load, const double *rate, const double *
                           const int64_t *slots, const int64_t *rows, const int32_t *blocks, const int32_t *device,
                           Py_ssize_t nfleet, Py_ssize_t n, Py_ssize_t nblocks, long long prompt, long long block_size,
                           double fetch_credit, long long decode_tokens, int check_kv, const double *factor,
-                          double prefill_scale, double both_scale, const double *filled, double near, Fit *fit) {
+                          double prefill_scale, double both_scale, const double *filled, int by_filled,
+                          Fit *fit) {
     const double whole = (double)prompt, whole_need = ceil_small(whole) >= 1.0 ? ceil_small(whole) : 1.0;
     const int prefill_scaled = prefill_scale == prefill_scale, both_scaled = both_scale == both_scale;
     double best_pred = INFINITY, best_unc = INFINITY;
@@ -589,15 +584,17 @@ static PyObject *quickest(const double *load, const double *rate, const double *
         }
     }
     if (best < 0) return Py_NewRef(Py_None);
-    const Fit *chosen = spread(fit, m, NULL, best_unc, best_pred, near, filled, rank);
+    const Fit *chosen = spread(fit, m, NULL, best_unc, best_pred, by_filled, filled, rank);
     return Py_BuildValue("Ld", (long long)chosen->slot, chosen->need);
 }
 
 /* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, rank, slots, rows, blocks,
  *                device, prompt, block_size, fetch_credit, decode_tokens, check_kv, limit,
- *                queue_weight, kv_weight, placed, room_edge, factor, prefill_scale, both_scale)
- *   -> (slot, need) of the best worker, ties to the lowest ``rank`` (the fleet's order of
- *      worker ids, so the lowest id); None if none fits
+ *                queue_weight, kv_weight, placed, room_edge, factor, prefill_scale, both_scale,
+ *                filled, by_filled)
+ *   -> (slot, need) of the best worker, ties to the one filled longest ago (``by_filled``),
+ *      then the lowest ``rank`` (the fleet's order of worker ids, so the lowest id); None if
+ *      none fits
  *
  * A worker's prefill rate is ``factor * prefill_scale`` (``both_scale`` for a colocated one)
  * where that scale is a number, else ``rate``: ``Fleet.native_rates``, whose ``rate`` is not
@@ -612,17 +609,17 @@ static PyObject *quickest(const double *load, const double *rate, const double *
  * ``queue_weight`` times, and the KV it decodes ``kv_weight`` times), then a colocated worker
  * whose decodes have room for the prompt (``room_edge - placed``: ``WorkerState.room_tokens``)
  * before one whose decodes have not, then (``kv_weight`` 0) the least KV a colocated worker
- * decodes, then the quickest; else the quickest. */
+ * decodes, then the quickest; else the quickest (of those, the ones that compute least). */
 static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_rank, *o_slots, *o_rows,
         *o_blocks, *o_device, *o_placed, *o_edge, *o_factor, *o_filled;
     long long prompt, block_size, decode_tokens;
-    double fetch_credit, limit, queue_weight, kv_weight, prefill_scale, both_scale, near;
-    int check_kv;
-    if (parse_args(args, nargs, "choose_prefill", "OOOOOOOOOOOOLLdLpdddOOOddOd", &o_load, &o_rate, &o_budget, &o_kv,
+    double fetch_credit, limit, queue_weight, kv_weight, prefill_scale, both_scale;
+    int check_kv, by_filled;
+    if (parse_args(args, nargs, "choose_prefill", "OOOOOOOOOOOOLLdLpdddOOOddOp", &o_load, &o_rate, &o_budget, &o_kv,
                    &o_kvcap, &o_holding, &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt,
                    &block_size, &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_weight, &o_placed,
-                   &o_edge, &o_factor, &prefill_scale, &both_scale, &o_filled, &near) < 0)
+                   &o_edge, &o_factor, &prefill_scale, &both_scale, &o_filled, &by_filled) < 0)
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
@@ -652,7 +649,7 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
     if (!slo) {
         result = quickest(load, rate, budget, kv, kvcap, holding, coloc, rank, slots, rows, blocks, device, nfleet, n,
                           nblocks, prompt, block_size, fetch_credit, decode_tokens, check_kv, factor, prefill_scale,
-                          both_scale, filled, near, fit);
+                          both_scale, filled, by_filled, fit);
         goto done;
     }
     int any_safe = 0;
@@ -738,8 +735,8 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
         result = Py_NewRef(Py_None);
     } else {
         /* spread_slots: the safe workers of the best's work, or the quickest's uncached tokens */
-        const Fit *chosen = any_safe ? spread(fit, m, &fit[best_at], 0.0, best_pred, near, filled, rank)
-                                     : spread(fit, m, NULL, best_unc, best_pred, near, filled, rank);
+        const Fit *chosen = any_safe ? spread(fit, m, &fit[best_at], 0.0, best_pred, by_filled, filled, rank)
+                                     : spread(fit, m, NULL, best_unc, best_pred, by_filled, filled, rank);
         result = Py_BuildValue("Ld", (long long)chosen->slot, chosen->need);
     }
 done:

@@ -81,6 +81,6 @@ def choose_prefill(
     prefill_scale: float,
     both_scale: float,
     filled: Buffer,
-    near: float,
+    by_filled: bool,
 ) -> tuple[int, float] | None: ...
 def choose_decode(load: Buffer, budget: Buffer, running: Buffer, rank: Buffer, slots: Buffer, tokens: int) -> int: ...

@@ -57,23 +57,23 @@ _SAFE_SHARE = 0.5  # switchyard: a placement keeps the SLO with room to spare wi
 # queue weighs nothing (``queue_weight``): at 4, a worker holding a 20k-token document lost
 # the prompt to an idle one once it had 0.36 s queued, for 1.5 s of compute more.
 _QUEUE_WEIGHT = 4.0
-# Workers whose placements cost the same work and whose predicted TTFTs are within this
-# factor of the quickest's are equals: of them, the one whose cache took new content longest
-# ago takes the prompt (``WorkerState.filled_at``), then the quickest, then the lowest id.
-# Before, the quickest always did: among idle workers of one fleet, the learnt rate's noise
-# or the lowest id, so one worker took most prompts cached nowhere (1,217 of 1,659 on long
-# shared documents, 6 + 2 at light load), its cache churned, and the others' held old
-# content: hit ratio 0.67 against SGLang's 0.78, whose misses go to the least loaded.
-# Not on a fleet with colocated workers (``near``): there a prompt shares its worker's
-# iterations with the sequences it decodes, and spreading prompts over the workers spread
-# their stalls over more decodes (tool agents at saturation: TPOT p90 43 -> 67 ms, goodput
-# 8 % less); the quickest takes it, as before.
-_NEAR = 1.1
 # ...and the KV decoding there counts only while decodes run slow: while they have run within
 # half the TPOT SLO lately (``Fleet.decode_slack``, set by the core), it only breaks ties
 # between workers whose prompt and queue cost the same, for then the decodes keep their SLO
 # with room to spare and what the prompt would wait for is the queue. Before that KV, between
 # workers of equal work, one whose decodes have room for the prompt goes first (``crowds``).
+
+# Of workers whose placement costs the same work and whose predicted TTFT is the quickest's
+# too, the one whose cache took new content longest ago takes the prompt
+# (``WorkerState.filled_at``), then the lowest id. Before, the lowest id always did: among
+# the idle workers of a fleet, so one worker took most prompts cached nowhere, its cache
+# churned and the others' held old content (long shared documents, 6 + 2 at light load:
+# hit ratio 0.67 against SGLang's 0.78, whose misses go to the least loaded). Only exact
+# ties: a worker up to 10 % slower but filled longer ago was tried too, and cost first
+# tokens (Azure, 6 + 2, light load) for reuse no trace showed. Not on a fleet with
+# colocated workers (``spreads``): there a prompt shares its worker's iterations with the
+# sequences it decodes, and spreading prompts over the workers spread their stalls over
+# more decodes (tool agents at saturation: TPOT p90 43 -> 67 ms, goodput 8 % less).
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,8 @@ class Switchyard:
     """One cost, lower is better: the predicted time to first token on each worker."""
 
     name: ClassVar[str] = "switchyard"
-    # Not the least of one key: the near-equals (``_NEAR``) are near the quickest of the
-    # workers that fit, so the choice among all is not always the choice among those that fit.
+    # Not the least of one key: which worker took new content last decides between the
+    # quickest, so the choice among all is not always the choice among those that fit.
     argmin: ClassVar[bool] = False
     slo_aware: ClassVar[bool] = True
 
@@ -210,16 +210,14 @@ class Switchyard:
 
     @classmethod
     def spread(cls, equals: list[WorkerState], view: PlacementView) -> WorkerState:
-        """Of workers whose placement costs the same work: those within ``_NEAR`` of the
-        quickest, the one whose cache took new content longest ago, then the quickest (on a
-        fleet with colocated workers: the quickest)."""
-        fleet = equals[0].fleet
-        colocated = fleet.roles["both"] if fleet is not None else any(w.role == "both" for w in equals)
-        if colocated:
-            return min(equals, key=lambda w: (cls.predicted_ttft_s(w, view), w.worker_id))
-        edge = min(cls.predicted_ttft_s(w, view) for w in equals) * _NEAR
-        near = [w for w in equals if cls.predicted_ttft_s(w, view) <= edge]
-        return min(near, key=lambda w: (w.filled_at, cls.predicted_ttft_s(w, view), w.worker_id))
+        """Of workers whose placement costs the same work, the quickest; of those, the one
+        whose cache took new content longest ago (not on a fleet with colocated workers),
+        then the lowest id."""
+        quickest = min(cls.predicted_ttft_s(w, view) for w in equals)
+        tied = [w for w in equals if cls.predicted_ttft_s(w, view) == quickest]
+        fleet = tied[0].fleet
+        colocated = not spreads(fleet) if fleet is not None else any(w.role == "both" for w in tied)
+        return min(tied, key=lambda w: (0.0 if colocated else w.filled_at, w.worker_id))
 
     def choose_slots(
         self,
@@ -278,7 +276,7 @@ class Switchyard:
             fleet.id_rank(), slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size,
             fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, queue_weight(fleet),
             0.0 if fleet.decode_slack else 1.0, fleet.placed, fleet.room_edge, fleet.factor, prefill_scale, both_scale,
-            fleet.filled, near_factor(fleet),
+            fleet.filled, spreads(fleet),
         )  # fmt: skip
         if chosen is None:
             return None
@@ -331,21 +329,20 @@ class Switchyard:
         return cost
 
 
-def near_factor(fleet: Fleet) -> float:
-    """``_NEAR``, or 1 (the quickest alone, the filled order unread) on a fleet with colocated workers."""
-    return 1.0 if fleet.roles["both"] else _NEAR
+def spreads(fleet: Fleet) -> bool:
+    """Whether ties go to the worker filled longest ago: not on a fleet with colocated workers."""
+    return not fleet.roles["both"]
 
 
 def spread_slots(
     fleet: Fleet, slots: npt.NDArray[np.intp], equals: npt.NDArray[np.bool_], predicted: npt.NDArray[np.float64]
 ) -> WorkerState:
     """``Switchyard.spread`` of the workers at ``slots[equals]``."""
-    near = equals & (predicted <= predicted[equals].min() * near_factor(fleet))
-    if not fleet.roles["both"]:
+    tied = equals & (predicted == predicted[equals].min())
+    if spreads(fleet):
         filled = fleet.filled[slots]
-        near &= filled == filled[near].min()
-    near &= predicted == predicted[near].min()
-    return lowest_id(fleet, slots[near])
+        tied &= filled == filled[tied].min()
+    return lowest_id(fleet, slots[tied])
 
 
 POLICIES: dict[str, Callable[[], PrefillPolicy]] = {

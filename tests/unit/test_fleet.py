@@ -227,9 +227,9 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
         for i in range(60):
             for worker in fleet:  # ties: a few loads and rates only; many that do not fit
                 worker.load_tokens = rng.choice([0, 0, 512, 1024])  # the ledger is not the point here
-                worker.prefill_rate = rng.choice([8_000.0, 8_000.0, 7_500.0, 6_000.0])  # 7,500: near 8,000
+                worker.prefill_rate = rng.choice([8_000.0, 8_000.0, 7_500.0, 6_000.0])
                 worker.token_budget = rng.choice([600, 1_100, 100_000])
-                worker.filled_at = float(rng.choice([0, 3, 7]))  # which of the near-equals took content last
+                worker.filled_at = float(rng.choice([0, 3, 7]))  # which of the tied took content last
                 for rid in list(worker.held):
                     worker.release(rid)
                 if worker.role == "both" and rng.random() < 0.5:  # its decodes' room: none to plenty

@@ -155,12 +155,12 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
     with pytest.raises(IndexError, match="past the fleet"):
         native.choose_prefill(
             *fleet, np.zeros(3, dtype=np.int64), np.array([7], dtype=np.intp), np.zeros(3, dtype=np.intp),
-            out, out.copy(), *scalars, np.zeros(3), np.zeros(3), np.ones(3), math.nan, math.nan, np.zeros(3), 1.1,
+            out, out.copy(), *scalars, np.zeros(3), np.zeros(3), np.ones(3), math.nan, math.nan, np.zeros(3), True,
         )  # fmt: skip
     with pytest.raises(ValueError, match="differ in length"):  # a room edge of another fleet's size
         native.choose_prefill(
             *fleet, np.zeros(3, dtype=np.int64), np.array([0], dtype=np.intp), np.zeros(3, dtype=np.intp),
-            out, out.copy(), *scalars, np.zeros(3), np.zeros(2), np.ones(3), math.nan, math.nan, np.zeros(3), 1.1,
+            out, out.copy(), *scalars, np.zeros(3), np.zeros(2), np.ones(3), math.nan, math.nan, np.zeros(3), True,
         )  # fmt: skip
 
 

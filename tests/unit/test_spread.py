@@ -1,5 +1,5 @@
 """Where new content goes: ``switchyard`` spreads prompts cached nowhere over a disaggregated
-prefill fleet (``policies._NEAR``), and workers of one device class share one prefill rate."""
+prefill fleet (``Switchyard.spread``), and workers of one device class share one prefill rate."""
 
 from __future__ import annotations
 
@@ -39,14 +39,16 @@ def test_prompts_cached_nowhere_go_round_an_idle_prefill_fleet(ttft_slo_s: float
     assert place_one_at_a_time(core, clock, 6) == ["p0", "p1", "p2", "p0", "p1", "p2"]
 
 
-@pytest.mark.parametrize(("queued", "expected"), [(100, "p0"), (300, "p1")])
-def test_a_worker_filled_longer_ago_takes_the_prompt_only_if_near_the_quickest(queued: int, expected: str) -> None:
-    # p1, idle, took new content last; p0 took it before and has ``queued`` tokens ahead of a
-    # 2,000-token prompt: 5 % slower is near (p0 takes it), 15 % is not (p1, the quickest).
+@pytest.mark.parametrize(("queued", "expected"), [(0, "p0"), (1, "p1")])
+def test_a_worker_filled_longer_ago_takes_the_prompt_only_where_it_is_as_quick(queued: int, expected: str) -> None:
+    # p1 took new content last; p0 took it before and has ``queued`` tokens ahead: as quick
+    # as p1 (none), it takes the prompt; one token slower, it does not (first tokens are
+    # never traded for the spread).
     core, clock = core_with({"p0": "prefill", "p1": "prefill", "d0": "decode"}, 2.0)
     core.fleet.mark_filled(core.workers["p0"])
     core.fleet.mark_filled(core.workers["p1"])
-    core.workers["p0"].assign("ahead", queued)
+    if queued:
+        core.workers["p0"].assign("ahead", queued)
     _, actions = core.submit(make_spec("r", prompt_len=2_000), clock.now)
     assert [a.worker_id for a in actions] == [expected]
 
