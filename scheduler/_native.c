@@ -513,6 +513,24 @@ typedef struct {
     int crowds;
 } Fit;
 
+/* The first pass's candidates, kept for the second: one buffer, grown to the largest fleet
+ * seen and kept (the GIL is held throughout; no call here re-enters another). */
+static Fit *fit_buf = NULL;
+static Py_ssize_t fit_cap = 0;
+
+static Fit *fit_space(Py_ssize_t n) {
+    if (n > fit_cap) {
+        Fit *grown = PyMem_Realloc(fit_buf, sizeof(Fit) * (size_t)n);
+        if (!grown) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        fit_buf = grown;
+        fit_cap = n;
+    }
+    return fit_buf ? fit_buf : fit_space(1);
+}
+
 /* ``spread_slots``: of the ``m`` workers in ``fit`` that ``equal`` says cost the same work
  * and whose predicted TTFT is ``least`` (the least of theirs), the one that took new content
  * longest ago (``filled``, read only with ``by_filled``: not on a fleet with colocated
@@ -574,7 +592,8 @@ static PyObject *quickest(const double *load, const double *rate, const double *
         double w = colocated ? (both_scaled ? factor[s] * both_scale : rate[s])
                              : (prefill_scaled ? factor[s] * prefill_scale : rate[s]);
         double pred = (l + uncached) / w; /* choose_slots */
-        fit[m++] = (Fit){.slot = s, .pred = pred, .uncached = uncached, .need = need};
+        if (pred <= best_pred || best < 0) /* a slower one cannot tie the quickest: not kept */
+            fit[m++] = (Fit){.slot = s, .pred = pred, .uncached = uncached, .need = need};
         if (pred < best_pred || best < 0) {
             best_pred = pred;
             best_unc = uncached;
@@ -641,10 +660,7 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
         goto done;
     }
-    if (!(fit = PyMem_Malloc(sizeof(Fit) * (size_t)(n > 0 ? n : 1)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (!(fit = fit_space(n))) goto done;
     int slo = limit < INFINITY; /* -inf (a late request): nothing is safe, the quickest wins */
     if (!slo) {
         result = quickest(load, rate, budget, kv, kvcap, holding, coloc, rank, slots, rows, blocks, device, nfleet, n,
@@ -687,7 +703,7 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
         double work = uncached, tie = 0.0;
         int crowds = 0;
         int safe = slo && pred <= limit;
-        fit[m] = (Fit){.slot = s, .pred = pred, .uncached = uncached, .need = need};
+        Fit f = {.slot = s, .pred = pred, .uncached = uncached, .need = need, .work = INFINITY};
         if (safe) {
             /* with kv_weight 0, a colocated worker's KV breaks ties */
             if (coloc[s] == 0.0) {
@@ -699,7 +715,7 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
                 tie = kv[s];
             }
             crowds = coloc[s] != 0.0 && uncached > edge[s] - placed[s];
-            fit[m].work = work, fit[m].tie = tie, fit[m].crowds = crowds;
+            f.work = work, f.tie = tie, f.crowds = crowds;
             int same_work = work == best_work, same_crowds = same_work && crowds == best_crowds;
             if (!any_safe || work < best_work || (same_work && crowds < best_crowds) ||
                 (same_crowds && (tie < best_tie || (tie == best_tie && pred < best_pred)))) {
@@ -709,13 +725,12 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
                 best_tie = tie;
                 best_pred = pred;
             } else if (!(same_crowds && tie == best_tie && pred == best_pred && rank[s] < rank[best])) {
-                m++;
+                if (same_crowds && tie == best_tie && pred == best_pred) fit[m++] = f; /* tied, a higher id */
                 continue; /* worse, or tied with a lower id */
             }
         } else {
-            fit[m].work = INFINITY; /* equal to no safe worker's */
-            m++;
-            if (any_safe) continue;
+            if (any_safe) continue; /* a worker that is not safe ties no safe one (work infinite) */
+            if (pred <= best_pred || best < 0) fit[m++] = f; /* a slower one cannot tie the quickest */
             if (pred < best_pred || best < 0) {
                 best_pred = pred;
                 best_unc = uncached;
@@ -729,7 +744,8 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
             continue;
         }
         best = s;
-        best_at = m++;
+        best_at = m;
+        fit[m++] = f;
     }
     if (best < 0) {
         result = Py_NewRef(Py_None);
@@ -740,7 +756,6 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
         result = Py_BuildValue("Ld", (long long)chosen->slot, chosen->need);
     }
 done:
-    PyMem_Free(fit);
     release(&b);
     return result;
 }

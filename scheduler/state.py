@@ -414,7 +414,8 @@ class Fleet:
         """A prompt placed on ``worker`` computes new blocks: its cache takes new content
         (and, full, evicts its least recent)."""
         self.fills += 1
-        worker.filled_at = float(self.fills)
+        at = worker.__dict__["filled_at"] = float(self.fills)  # and its slot, as ``mirror`` would
+        self.filled[worker.slot] = at
 
     def set_rate(self, worker: WorkerState, rate: float) -> None:
         """Set one worker's prefill rate (its raw factor), leaving the others' as they are."""
