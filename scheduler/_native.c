@@ -734,13 +734,10 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
             if (pred < best_pred || best < 0) {
                 best_pred = pred;
                 best_unc = uncached;
+                best = s;
             } else if (pred == best_pred && uncached < best_unc) {
                 best_unc = uncached;
-                continue;
-            } else {
-                continue;
             }
-            best = s;
             continue;
         }
         best = s;

@@ -51,6 +51,7 @@ from switchyard.scheduler.queue import FairQueue
 from switchyard.scheduler.sessions import Binding, SessionTable
 from switchyard.scheduler.state import Fleet, Tracked, WorkerState
 from switchyard.schemas import (
+    DEVICE_CLASS_MAX,
     Admitted,
     ClusterStatus,
     DecodeTask,
@@ -152,7 +153,6 @@ _HOLD_S = 0.15
 _SIZE_WEIGHT = 64.0
 _RATE_MIN_TOKENS = 2048  # a prediction of fewer tokens than this is mostly fixed costs
 _RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sample
-_DEVICE_CLASS_MAX = 64  # characters of a worker's ``LoadReport.device_class`` kept
 _OWN_RATE_WEIGHT = 0.02  # ...and of a worker's own factor over its role's rate (``Fleet.learn_rate``)
 
 
@@ -1018,7 +1018,7 @@ class SchedulerCore:
                 block_size=report.block_size,
                 last_seen=now,
                 own_rate=self.config.default_prefill_tokens_per_s,
-                device_class=report.device_class[:_DEVICE_CLASS_MAX],
+                device_class=report.device_class[:DEVICE_CLASS_MAX],
             )
             self._epoch += 1
             self.fleet.add(worker)

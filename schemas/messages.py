@@ -282,6 +282,10 @@ class HeldRequest(_Wire, frozen=True):
     attempt: int = 0  # its RequestSpec.attempt
 
 
+# Characters of ``LoadReport.device_class`` a worker may set and the scheduler keeps.
+DEVICE_CLASS_MAX = 64
+
+
 class LoadReport(_Wire, frozen=True, tag="load"):
     """Heartbeat. The first one registers the worker; silence past the expiry removes it."""
 
@@ -477,6 +481,7 @@ class SessionPlacement(_Wire, frozen=True):
 
 
 __all__ = [
+    "DEVICE_CLASS_MAX",
     "Admitted",
     "AllBlocksCleared",
     "BlockKey",

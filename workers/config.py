@@ -8,11 +8,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from switchyard.observability import DEFAULT_NATS_URL, NatsClient, NatsClientConfig, NatsUrl
-from switchyard.schemas import ConfigStruct, Role, setting
+from switchyard.schemas import DEVICE_CLASS_MAX, ConfigStruct, Role, setting
 from switchyard.workers.sim import SimEngineConfig
 from switchyard.workers.vllm_config import VllmEngineConfig
-
-DEVICE_CLASS_MAX = 64  # characters of ``device_class`` (the scheduler keeps no more)
 
 
 class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
