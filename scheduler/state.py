@@ -285,7 +285,9 @@ class Fleet:
         # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
         self.hold_s = 0.0
         # Whether the prefill fleet has been busy lately (set by the core with the hold, but
-        # not lifted with it): then ``switchyard`` weighs a colocated worker's queue at 0.
+        # not lifted with it): then ``switchyard`` weighs a colocated worker's queue at 0,
+        # colocated workers learn factors of their own (``learn_rate``), and their ties no
+        # longer spread (``policies.spreads``).
         self.busy = False
         # Whether the colocated workers' decodes have run within half the TPOT SLO lately (set
         # by the core): then ``switchyard`` weighs the KV they decode only to break ties.
@@ -441,9 +443,14 @@ class Fleet:
         prefix, the fixed cost of an iteration), looked up to 1.6x faster, took the next
         prompt cached nowhere, and so on (long shared documents, 6 + 2 at light load: two
         workers of six took 80 % of those, and the hit ratio fell from 0.77 to 0.67).
-        A colocated worker keeps a factor of its own: its prompts share iterations with the
-        sequences it decodes, which are its own and last, so its factor measures something
-        of it (pooled, goodput at saturation fell 3-6 % on the colocated cases measured).
+        A colocated worker keeps a factor of its own, learnt while the fleet is busy
+        (``busy``): then its prompts share iterations with the sequences it decodes, which
+        are its own and last, so its factor measures something of it (pooled, goodput at
+        saturation fell 3-6 % on the colocated cases measured). While the fleet is not
+        busy its samples move only the shared rate (and its class's factor, as above):
+        learnt then, the factor measured the workload again and fed on itself (long shared
+        documents, 8 colocated at light load: one worker of eight took 54 % of the prompts
+        cached nowhere, hit ratio 0.77 against SGLang's 0.83).
 
         Factors are kept raw, each worker's relative one being its raw factor over the
         role's mean (so they average 1): one sample changes its class's factors and the
@@ -458,7 +465,7 @@ class Fleet:
         old = float(factors[slot])
         relative = old / mean
         shared = (1 - weight) * float(self.shared_rate[role]) + weight * sample / relative
-        if role == "both":  # its own factor: what it decodes beside its prompts is its own
+        if role == "both" and self.busy:  # its own factor: what it decodes beside its prompts is its own
             new = ((1 - own_weight) * relative + own_weight * sample / shared) * mean
             factor_sum += new - old
             factors[slot] = new

@@ -64,12 +64,14 @@ def test_counters_and_arrays_follow_every_change() -> None:
     fleet.check_invariants()
 
 
-def prefill_fleet(n: int, first_rate: float = 8_000.0, classes: dict[str, str] | None = None) -> Fleet:
+def prefill_fleet(
+    n: int, first_rate: float = 8_000.0, classes: dict[str, str] | None = None, role: Role = "prefill"
+) -> Fleet:
     fleet = Fleet()
     for i in range(n):
         kind = (classes or {}).get(f"p{i}", "")
         worker = WorkerState(
-            f"p{i}", "prefill", token_budget=10_000, block_size=BLOCK_SIZE, last_seen=0.0, device_class=kind
+            f"p{i}", role, token_budget=10_000, block_size=BLOCK_SIZE, last_seen=0.0, device_class=kind
         )
         worker.prefill_rate = first_rate if i == 0 else 1.0  # only the first of a role sets the rate
         fleet.add(worker)
@@ -142,6 +144,26 @@ def test_workers_of_one_class_keep_one_rate_whatever_work_each_one_is_given() ->
     got = rates(fleet)
     assert max(got) == min(got)
     assert got[0] == pytest.approx(9_250.0, rel=0.15)
+    fleet.check_invariants()
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["light", "busy"])
+def test_a_colocated_workers_own_factor_is_learnt_only_while_the_fleet_is_busy(busy: bool) -> None:
+    # p0 prefills whole prompts, the others short suffixes of cached prefixes (the workload
+    # mix, not the GPU): at light load that made p0 look 1.6x faster and take most prompts
+    # cached nowhere. Busy, a colocated worker's samples also measure the decodes its prompts
+    # share iterations with, its own: there it keeps a factor of its own.
+    rng, fleet = random.Random(7), prefill_fleet(4, role="both")
+    fleet.busy = busy
+    for _ in range(4_000):
+        wid = rng.choice(sorted(fleet.workers))
+        fleet.learn_rate(fleet.workers[wid], (13_000.0 if wid == "p0" else 8_000.0) * rng.uniform(0.9, 1.1), 0.2, 0.02)
+    got = rates(fleet)
+    if busy:
+        assert got[0] > 1.3 * max(got[1:])
+    else:
+        assert max(got) == min(got)
+        assert got[0] == pytest.approx(9_250.0, rel=0.15)
     fleet.check_invariants()
 
 

@@ -462,6 +462,9 @@ def test_a_prompt_goes_where_it_pushes_no_decode_past_the_tpot_slo_between_worke
     h.clock.advance(0.1)
     h.event(request_finished(warm, "c0"))
     assert h.core.fleet.decode_slack
+    # The fleet is not busy: equal workers take new content in turn (``spreads``); c1 took
+    # it last, so the next goes to c0.
+    h.core.fleet.mark_filled(h.core.workers["c1"])
     for rid, prompt, answer, worker_id in (("short", 1_000, 3, "c0"), ("long", 3_000, 500, "c1")):
         spec = make_spec(rid, prompt_len=prompt, max_tokens=answer)
         assert placed(h.admit(spec)) == {rid: worker_id}
