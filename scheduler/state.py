@@ -305,6 +305,7 @@ class Fleet:
         # and each slot's place in the order of the workers' ids (``id_rank``).
         self._slots: dict[str, npt.NDArray[np.intp]] = {}
         self._role_slots: dict[str, slice | npt.NDArray[np.intp]] = {}
+        self._class_slots: dict[tuple[str, str], npt.NDArray[np.intp]] = {}  # (role, device class)
         self._rank = np.zeros(0, dtype=np.int64)
         self._slots_version = -1
 
@@ -471,8 +472,8 @@ class Fleet:
             factors[slot] = new
         elif len(self._classes[role]) > 1:  # unlike hardware: the worker's class's factor moves
             step = ((1 - own_weight) * relative + own_weight * sample / shared) / relative
-            kind = worker.device_class
-            slots = [w.slot for w in self.workers.values() if w.role == role and w.device_class == kind]
+            self._index_slots()
+            slots = self._class_slots[role, worker.device_class]
             before = float(factors[slots].sum())
             factors[slots] *= step
             factor_sum += before * step - before
@@ -552,8 +553,11 @@ class Fleet:
             "decode": np.sort(np.array(decode, dtype=np.intp)),
         }
         by_role: dict[str, list[int]] = {}
+        by_class: dict[tuple[str, str], list[int]] = {}
         for w in self.workers.values():
             by_role.setdefault(w.role, []).append(w.slot)
+            by_class.setdefault((w.role, w.device_class), []).append(w.slot)
+        self._class_slots = {key: np.array(taken, dtype=np.intp) for key, taken in by_class.items()}
         self._role_slots = {}
         for role, taken in by_role.items():
             taken.sort()
