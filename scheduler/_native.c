@@ -609,7 +609,7 @@ static PyObject *quickest(const double *load, const double *rate, const double *
 
 /* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, rank, slots, rows, blocks,
  *                device, prompt, block_size, fetch_credit, decode_tokens, check_kv, limit,
- *                queue_weight, kv_weight, placed, room_edge, factor, prefill_scale, both_scale,
+ *                queue_weight, kv_tie, placed, room_edge, factor, prefill_scale, both_scale,
  *                filled, by_filled)
  *   -> (slot, need) of the best worker, ties to the one filled longest ago (``by_filled``),
  *      then the lowest ``rank`` (the fleet's order of worker ids, so the lowest id); None if
@@ -625,19 +625,19 @@ static PyObject *quickest(const double *load, const double *rate, const double *
  * ``check_kv`` when the fleet has colocated workers), and among those that do, when
  * ``limit`` (half the time left before the TTFT SLO) is finite and some worker's predicted
  * TTFT is within it, the least work among those (on a colocated worker its queue counts
- * ``queue_weight`` times, and the KV it decodes ``kv_weight`` times), then a colocated worker
- * whose decodes have room for the prompt (``room_edge - placed``: ``WorkerState.room_tokens``)
- * before one whose decodes have not, then (``kv_weight`` 0) the least KV a colocated worker
- * decodes, then the quickest; else the quickest (of those, the ones that compute least). */
+ * ``queue_weight`` times), then a colocated worker whose decodes have room for the prompt
+ * (``room_edge - placed``: ``WorkerState.room_tokens``) before one whose decodes have not,
+ * then (``kv_tie``) the least KV a colocated worker decodes, then the quickest; else the
+ * quickest (of those, the ones that compute least). */
 static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_rank, *o_slots, *o_rows,
         *o_blocks, *o_device, *o_placed, *o_edge, *o_factor, *o_filled;
     long long prompt, block_size, decode_tokens;
-    double fetch_credit, limit, queue_weight, kv_weight, prefill_scale, both_scale;
-    int check_kv, by_filled;
-    if (parse_args(args, nargs, "choose_prefill", "OOOOOOOOOOOOLLdLpdddOOOddOp", &o_load, &o_rate, &o_budget, &o_kv,
+    double fetch_credit, limit, queue_weight, prefill_scale, both_scale;
+    int check_kv, kv_tie, by_filled;
+    if (parse_args(args, nargs, "choose_prefill", "OOOOOOOOOOOOLLdLpddpOOOddOp", &o_load, &o_rate, &o_budget, &o_kv,
                    &o_kvcap, &o_holding, &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt,
-                   &block_size, &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_weight, &o_placed,
+                   &block_size, &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_tie, &o_placed,
                    &o_edge, &o_factor, &prefill_scale, &both_scale, &o_filled, &by_filled) < 0)
         return NULL;
     Buffers b = {.n = 0};
@@ -705,14 +705,12 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
         int safe = slo && pred <= limit;
         Fit f = {.slot = s, .pred = pred, .uncached = uncached, .need = need, .work = INFINITY};
         if (safe) {
-            /* with kv_weight 0, a colocated worker's KV breaks ties */
+            /* the KV a colocated worker decodes is not work; with ``kv_tie`` it breaks ties */
             if (coloc[s] == 0.0) {
                 work = uncached;
-            } else if (kv_weight != 0.0) {
-                work = (uncached + queue_weight * load[s]) + kv[s];
             } else {
                 work = uncached + queue_weight * load[s];
-                tie = kv[s];
+                if (kv_tie) tie = kv[s];
             }
             crowds = coloc[s] != 0.0 && uncached > edge[s] - placed[s];
             f.work = work, f.tie = tie, f.crowds = crowds;

@@ -74,7 +74,7 @@ def choose_prefill(
     check_kv: bool,
     limit: float,
     queue_weight: float,
-    kv_weight: float,
+    kv_tie: bool,
     placed: Buffer,
     room_edge: Buffer,
     factor: Buffer,

@@ -46,22 +46,26 @@ log = logging.getLogger(__name__)
 
 _SAFE_SHARE = 0.5  # switchyard: a placement keeps the SLO with room to spare within half the time left
 # switchyard, colocated: what a prompt queued on the worker weighs in ``work``, a token of it
-# against one of the prompt's own or of the KV decoding there. Above 1, a worker with an
-# empty queue wins over one whose decodes hold a little less KV: at 1 the Azure colocated
-# fleet's p90 TTFT was 35% over the best peer's at light load. From a sweep of 1, 2, 4 and
-# 8 on the three colocated cases (docs/bench-sim.md): p90 TTFT falls and saturation goodput
-# on Mooncake drops 0-3% as it grows; 4 is the least that brings Azure's light-load p90
-# within 2% of the best peer's. Only while the prefill fleet has capacity to spare: once it
-# has been busy lately (``Fleet.busy``, the core's hold) a token computed is capacity the next
-# request's SLO needs, and among workers that keep this one's SLO with room to spare the
-# queue weighs nothing (``queue_weight``): at 4, a worker holding a 20k-token document lost
-# the prompt to an idle one once it had 0.36 s queued, for 1.5 s of compute more.
+# against one of the prompt's own. Above 1, a worker with an empty queue wins over one that
+# would compute a little less: at 1 the Azure colocated fleet's p90 TTFT was 35% over the
+# best peer's at light load. From a sweep of 1, 2, 4 and 8 on the three colocated cases
+# (docs/bench-sim.md): p90 TTFT falls and saturation goodput on Mooncake drops 0-3% as it
+# grows; 4 is the least that brings Azure's light-load p90 within 2% of the best peer's.
+# Only while the prefill fleet has capacity to spare: once it has been busy lately
+# (``Fleet.busy``, the core's hold) a token computed is capacity the next request's SLO
+# needs, and among workers that keep this one's SLO with room to spare the queue weighs
+# nothing (``queue_weight``): at 4, a worker holding a 20k-token document lost the prompt to
+# an idle one once it had 0.36 s queued, for 1.5 s of compute more.
 _QUEUE_WEIGHT = 4.0
-# ...and the KV decoding there counts only while decodes run slow: while they have run within
-# half the TPOT SLO lately (``Fleet.decode_slack``, set by the core), it only breaks ties
-# between workers whose prompt and queue cost the same, for then the decodes keep their SLO
-# with room to spare and what the prompt would wait for is the queue. Before that KV, between
-# workers of equal work, one whose decodes have room for the prompt goes first (``crowds``).
+# The KV a colocated worker decodes is not work: between workers whose prompt and queue cost
+# the same, one whose decodes have room for the prompt goes first (``crowds``), then, while
+# the decodes have run within half the TPOT SLO lately (``Fleet.decode_slack``, set by the
+# core), the one decoding least KV. Counted as work while decodes ran slow (as it was),
+# hundreds of thousands of tokens of KV outweighed the prompt's cached prefix, and prompts
+# went where they recomputed it: on long shared documents, 8 colocated at 0.22, hit ratio
+# 0.725 -> 0.753, goodput 6.19 -> 7.15 req/s and TPOT p90 105 -> 55 ms without it, since
+# prefill computed is what stalls the decodes; lending and ``crowds`` guard the decodes.
+# Breaking ties by KV then too did less (6.94).
 
 # Of workers whose placement costs the same work and whose predicted TTFT is the quickest's
 # too, the one whose cache took new content longest ago takes the prompt
@@ -200,7 +204,7 @@ class Switchyard:
 
                 def key(w: WorkerState) -> tuple[float, bool, int]:
                     tie = w.kv_tokens if slack and w.role == "both" else 0
-                    return (self.work(w, view, kv=not slack), self.crowds(w, view), tie)
+                    return (self.work(w, view), self.crowds(w, view), tie)
 
                 least = min(key(w) for w in safe)
                 return self.spread([w for w in safe if key(w) == least], view)
@@ -242,8 +246,7 @@ class Switchyard:
                 colocated = fleet.colocated[slots] != 0
                 kv = np.where(colocated, fleet.kv[slots], 0.0)
                 queued = uncached + queue_weight(fleet) * load
-                # While decodes have slack the KV only breaks ties (``_QUEUE_WEIGHT``'s note).
-                work = np.where(colocated, queued if fleet.decode_slack else queued + kv, uncached)
+                work = np.where(colocated, queued, uncached)  # the KV is not work (its note above)
                 safe &= work == work[safe].min()
                 crowds = colocated & (uncached > fleet.room_edge[slots] - fleet.placed[slots])
                 safe &= crowds == crowds[safe].min()
@@ -278,7 +281,7 @@ class Switchyard:
             fleet.load, rate, budget, fleet.kv, fleet.kv_cap, fleet.holding, fleet.colocated,
             fleet.id_rank(), slots, rows, blocks, device, request.prompt_tokens, request.spec.block_size,
             fetch_credit, request.decode_tokens, bool(fleet.roles["both"]), limit, queue_weight(fleet),
-            0.0 if fleet.decode_slack else 1.0, fleet.placed, fleet.room_edge, fleet.factor, prefill_scale, both_scale,
+            fleet.decode_slack, fleet.placed, fleet.room_edge, fleet.factor, prefill_scale, both_scale,
             fleet.filled, spreads(fleet),
         )  # fmt: skip
         if chosen is None:
@@ -294,15 +297,13 @@ class Switchyard:
         return best, int(need)
 
     @staticmethod
-    def work(worker: WorkerState, view: PlacementView, kv: bool = True) -> float:
-        """What placing the prompt there costs the fleet, in tokens: its uncached tokens;
-        on a colocated worker also everything it runs beside them (the prompts queued
-        there, ``queue_weight`` times: its own first token waits on them, and, with
-        ``kv``, the KV of the sequences it decodes, each slowed by the prompt)."""
+    def work(worker: WorkerState, view: PlacementView) -> float:
+        """What placing the prompt there costs the fleet, in tokens: its uncached tokens; on
+        a colocated worker also the prompts queued there, ``queue_weight`` times (its own
+        first token waits on them)."""
         if worker.role != "both":
             return view.uncached_tokens(worker)
-        queued = view.uncached_tokens(worker) + queue_weight(worker.fleet) * worker.load_tokens
-        return queued + worker.kv_tokens if kv else queued
+        return view.uncached_tokens(worker) + queue_weight(worker.fleet) * worker.load_tokens
 
     @staticmethod
     def crowds(worker: WorkerState, view: PlacementView) -> bool:

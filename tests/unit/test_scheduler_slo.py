@@ -221,21 +221,27 @@ def test_with_prefilled_requests_waiting_for_decode_room_a_new_one_is_refused_up
     assert isinstance(peer.submit(make_spec("c", prompt_len=1_000, max_tokens=500))[0], Admitted)
 
 
-def test_on_a_colocated_fleet_the_safe_choice_also_weighs_what_each_worker_decodes() -> None:
+def test_on_a_colocated_fleet_the_safe_choice_weighs_what_each_worker_computes_not_what_it_decodes() -> None:
     decoding = worker("w1", role="both")
     decoding.hold("seq", 6_000)  # 6,000 KV tokens of sequences it decodes
     idle = worker("w2", role="both")
+    both = Fleet()
+    for w in (decoding, idle):
+        both.add(w)
+    both.busy = True  # ties to the lowest id (no spread)
     request = tracked(prompt_len=4_000)
     safe = replace(view(prompt=4_000), ttft_budget_s=10.0)
-    # Same compute either way: the one whose decodes the prompt would not slow
+    # Same compute either way. Decodes running slow: the KV is not counted, the lowest id.
+    assert Switchyard().choose(request, [decoding, idle], safe).worker_id == "w1"
+    # Decodes with slack: it breaks the tie, to the one whose decodes the prompt would not slow.
+    both.decode_slack = True
     assert Switchyard().choose(request, [decoding, idle], safe).worker_id == "w2"
-    # A cached prefix there counts the same way: 3,200 of the 4,000 tokens held saves
-    # less than its 6,000 KV tokens cost, but more than 2,000 would
+    # 3,200 of the 4,000 tokens cached where it decodes: it goes there, slack or not (weighed
+    # as work, its 6,000 KV tokens sent the prompt to recompute them on the idle worker).
     cached = replace(view({"w1": (200, 200)}, prompt=4_000), ttft_budget_s=10.0)
-    assert Switchyard().choose(request, [decoding, idle], cached).worker_id == "w2"
-    lightly = worker("w1", role="both")
-    lightly.hold("seq", 2_000)
-    assert Switchyard().choose(request, [lightly, idle], cached).worker_id == "w1"  # 800 + 2,000 < 4,000
+    for slack in (False, True):
+        both.decode_slack = slack
+        assert Switchyard().choose(request, [decoding, idle], cached).worker_id == "w1", slack
 
 
 def test_on_a_fleet_busy_lately_a_colocated_workers_queue_weighs_nothing_beside_the_compute_it_saves() -> None:
@@ -424,27 +430,52 @@ def test_on_a_busy_fleet_a_prompt_is_not_held_from_the_worker_that_holds_most_of
     assert placed(h.admit(make_spec("new", prompt_len=1_000))) == {}  # nothing cached: held
 
 
-def test_while_decodes_run_well_within_the_tpot_slo_their_kv_only_breaks_ties() -> None:
-    # One worker decodes 6,008 KV tokens; the other has 500 prompt tokens queued and decodes
-    # nothing. That KV weighs as much as 1,500 queued tokens would: the queued worker wins
-    # while decodes run slow, or before any was measured. Once decodes finish within half
-    # the TPOT SLO, the queue decides: the decoding worker, where the prompt starts at once.
-    for measured, slack in ((None, False), (0.1, True), (0.2, False)):
-        h = colocated(tpot_slo_s=0.05)
-        if measured is not None:  # one decode of 8 tokens in ``measured`` s: 14 or 29 ms a token
-            warm = make_spec("warm", prompt_len=100, max_tokens=8)
-            assert placed(h.admit(warm)) == {"warm": "c0"}
-            h.event(prefill_done(warm, "c0", prefill_s=0.01))
-            h.clock.advance(measured)
-            h.event(request_finished(warm, "c0"))
-        assert h.core.fleet.decode_slack == slack
-        seq = make_spec("seq", prompt_len=6_000, max_tokens=8)
-        decoding = placed(h.admit(seq))["seq"]
-        h.event(prefill_done(seq, decoding, prefill_s=0.5))
-        queued = {"c0": "c1", "c1": "c0"}[decoding]
-        assert placed(h.admit(make_spec("q", prompt_len=500))) == {"q": queued}  # same work: the KV breaks the tie
-        expected = decoding if slack else queued
-        assert placed(h.admit(make_spec("new", prompt_len=1_000))) == {"new": expected}, measured
+def one_decoding(measured: float | None) -> tuple[Harness, str, str]:
+    """A colocated pair: one worker decodes 6,008 KV tokens, the other nothing; decodes
+    measured at ``measured`` s for 8 tokens (14 or 29 ms a token; None: not yet). The
+    decoding one, then the other (which took new content last: the spread would pick the
+    decoding one)."""
+    h = colocated(tpot_slo_s=0.05)
+    if measured is not None:
+        warm = make_spec("warm", prompt_len=100, max_tokens=8)
+        assert placed(h.admit(warm)) == {"warm": "c0"}
+        h.event(prefill_done(warm, "c0", prefill_s=0.01))
+        h.clock.advance(measured)
+        h.event(request_finished(warm, "c0"))
+    seq = make_spec("seq", prompt_len=6_000, max_tokens=8)
+    decoding = placed(h.admit(seq))["seq"]
+    h.event(prefill_done(seq, decoding, prefill_s=0.5))
+    other = {"c0": "c1", "c1": "c0"}[decoding]
+    h.core.fleet.mark_filled(h.core.workers[other])
+    return h, decoding, other
+
+
+@pytest.mark.parametrize(("measured", "slack"), [(None, False), (0.1, True), (0.2, False)])
+def test_the_kv_a_colocated_worker_decodes_breaks_ties_only_while_decodes_have_slack(
+    measured: float | None, slack: bool
+) -> None:
+    # A prompt that costs both workers the same: while decodes finish within half the TPOT
+    # SLO, the one decoding nothing takes it; else the KV does not count and the spread
+    # decides (the decoding worker took new content longer ago).
+    h, decoding, other = one_decoding(measured)
+    assert h.core.fleet.decode_slack == slack
+    assert placed(h.admit(make_spec("q", prompt_len=500))) == {"q": other if slack else decoding}
+
+
+@pytest.mark.parametrize("measured", [None, 0.1, 0.2])
+def test_the_kv_a_colocated_worker_decodes_is_not_work(measured: float | None) -> None:
+    # The worker decoding nothing has 100 prompt tokens queued (400 of work at the queue's
+    # weight); the decoding one, none. Counted as work while decodes ran slow, its 6,008 KV
+    # tokens sent the prompt to the queue: on long shared documents that outweighed cached
+    # prefixes, and the prompts recomputed them.
+    h, decoding, other = one_decoding(measured)
+    h.core.workers[other].assign("ahead", 100)  # (no request of the core's: placed by hand below)
+    new = Tracked(spec=make_spec("new", prompt_len=1_000), enqueued_at=h.clock.now, order=99)
+    for native in (True, False):  # the C loop, the numpy path, and the list of workers
+        h.core.index.native = native
+        for workers in (h.core.fleet, list(h.core.fleet.prefill.values())):
+            placement = h.core.placer.prefill(new, workers, None, SLO)
+            assert placement is not None and placement.worker.worker_id == decoding, (native, type(workers))
 
 
 @pytest.mark.parametrize("native", [True, False])
