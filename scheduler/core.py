@@ -136,8 +136,8 @@ _BUSY_SPARE = 0.7
 # most of each worker's time even with the late work added.
 _BUSY_SPARE_DECODING = 0.4
 # Decodes that have run within this share of the TPOT SLO lately keep it with room to spare:
-# then the switchyard policy lets the KV a colocated worker decodes only break ties
-# (``Fleet.decode_slack``; ``policies._QUEUE_WEIGHT``'s note).
+# then the switchyard policy breaks ties by the KV a colocated worker decodes, least first
+# (``Fleet.decode_slack``; the note below ``policies._QUEUE_WEIGHT``).
 _DECODE_SLACK = 0.5
 # Shortest first, while the prefill fleet is busy: from this busy share on, a worker that
 # hands its prompts over holds at most ``_HOLD_S`` of prefill at its rate (or one prompt,

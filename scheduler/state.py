@@ -290,7 +290,7 @@ class Fleet:
         # longer spread (``policies.spreads``).
         self.busy = False
         # Whether the colocated workers' decodes have run within half the TPOT SLO lately (set
-        # by the core): then ``switchyard`` weighs the KV they decode only to break ties.
+        # by the core): then ``switchyard`` breaks ties by the KV they decode, least first.
         self.decode_slack = False
         # Placements that computed new blocks (``mark_filled``): the clock of ``filled_at``.
         self.fills = 0
