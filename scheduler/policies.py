@@ -51,7 +51,8 @@ _SAFE_SHARE = 0.5  # switchyard: a placement keeps the SLO with room to spare wi
 # best peer's at light load. From a sweep of 1, 2, 4 and 8 on the three colocated cases
 # (docs/bench-sim.md): p90 TTFT falls and saturation goodput on Mooncake drops 0-3% as it
 # grows; 4 is the least that brings Azure's light-load p90 within 2% of the best peer's.
-# Only while the prefill fleet has capacity to spare: once it has been busy lately
+# (That sweep counted the KV decoded as work too; without it, 1 and 2 were mixed at light
+# load: TTFT p90 +29 ms on long documents, -12 ms on tool agents, at 1.) Only while the prefill fleet has capacity to spare: once it has been busy lately
 # (``Fleet.busy``, the core's hold) a token computed is capacity the next request's SLO
 # needs, and among workers that keep this one's SLO with room to spare the queue weighs
 # nothing (``queue_weight``): at 4, a worker holding a 20k-token document lost the prompt to
@@ -60,7 +61,7 @@ _QUEUE_WEIGHT = 4.0
 # The KV a colocated worker decodes is not work: between workers whose prompt and queue cost
 # the same, one whose decodes have room for the prompt goes first (``crowds``), then, while
 # the decodes have run within half the TPOT SLO lately (``Fleet.decode_slack``, set by the
-# core), the one decoding least KV. Counted as work while decodes ran slow (as it was),
+# core), the one decoding least KV. Counted as work while decodes ran slow, as it once was,
 # hundreds of thousands of tokens of KV outweighed the prompt's cached prefix, and prompts
 # went where they recomputed it: on long shared documents, 8 colocated at 0.22, hit ratio
 # 0.725 -> 0.753, goodput 6.19 -> 7.15 req/s and TPOT p90 105 -> 55 ms without it, since
