@@ -533,8 +533,8 @@ static Fit *fit_space(Py_ssize_t n) {
 
 /* ``spread_slots``: of the ``m`` workers in ``fit`` that ``equal`` says cost the same work
  * and whose predicted TTFT is ``least`` (the least of theirs), the one that took new content
- * longest ago (``filled``, read only with ``by_filled``: not on a fleet with colocated
- * workers), then the lowest rank. ``equal`` NULL: those of uncached tokens ``uncached``. */
+ * longest ago (``filled``, read only with ``by_filled``: ``policies.spreads``, not on a busy
+ * fleet with colocated workers), then the lowest rank. ``equal`` NULL: those of uncached tokens ``uncached``. */
 static const Fit *spread(const Fit *fit, Py_ssize_t m, const Fit *equal, double uncached, double least,
                          int by_filled, const double *filled, const int64_t *rank) {
     const Fit *best = NULL;

@@ -52,11 +52,12 @@ _SAFE_SHARE = 0.5  # switchyard: a placement keeps the SLO with room to spare wi
 # (docs/bench-sim.md): p90 TTFT falls and saturation goodput on Mooncake drops 0-3% as it
 # grows; 4 is the least that brings Azure's light-load p90 within 2% of the best peer's.
 # (That sweep counted the KV decoded as work too; without it, 1 and 2 were mixed at light
-# load: TTFT p90 +29 ms on long documents, -12 ms on tool agents, at 1.) Only while the prefill fleet has capacity to spare: once it has been busy lately
-# (``Fleet.busy``, the core's hold) a token computed is capacity the next request's SLO
-# needs, and among workers that keep this one's SLO with room to spare the queue weighs
-# nothing (``queue_weight``): at 4, a worker holding a 20k-token document lost the prompt to
-# an idle one once it had 0.36 s queued, for 1.5 s of compute more.
+# load: TTFT p90 +29 ms on long documents, -12 ms on tool agents, at 1.) Only while the
+# prefill fleet has capacity to spare: once it has been busy lately (``Fleet.busy``, the
+# core's hold) a token computed is capacity the next request's SLO needs, and among workers
+# that keep this one's SLO with room to spare the queue weighs nothing (``queue_weight``):
+# at 4, a worker holding a 20k-token document lost the prompt to an idle one once it had
+# 0.36 s queued, for 1.5 s of compute more.
 _QUEUE_WEIGHT = 4.0
 # The KV a colocated worker decodes is not work: between workers whose prompt and queue cost
 # the same, one whose decodes have room for the prompt goes first (``crowds``), then, while
@@ -224,8 +225,8 @@ class Switchyard:
         quickest = min(cls.predicted_ttft_s(w, view) for w in equals)
         tied = [w for w in equals if cls.predicted_ttft_s(w, view) == quickest]
         fleet = tied[0].fleet
-        colocated = not spreads(fleet) if fleet is not None else any(w.role == "both" for w in tied)
-        return min(tied, key=lambda w: (0.0 if colocated else w.filled_at, w.worker_id))
+        by_filled = spreads(fleet) if fleet is not None else not any(w.role == "both" for w in tied)
+        return min(tied, key=lambda w: (w.filled_at if by_filled else 0.0, w.worker_id))
 
     def choose_slots(
         self,
@@ -245,13 +246,13 @@ class Switchyard:
             safe = predicted <= _SAFE_SHARE * view.ttft_budget_s
             if safe.any():
                 colocated = fleet.colocated[slots] != 0
-                kv = np.where(colocated, fleet.kv[slots], 0.0)
                 queued = uncached + queue_weight(fleet) * load
                 work = np.where(colocated, queued, uncached)  # the KV is not work (its note above)
                 safe &= work == work[safe].min()
                 crowds = colocated & (uncached > fleet.room_edge[slots] - fleet.placed[slots])
                 safe &= crowds == crowds[safe].min()
                 if fleet.decode_slack:
+                    kv = np.where(colocated, fleet.kv[slots], 0.0)
                     safe &= kv == kv[safe].min()
                 return spread_slots(fleet, slots, safe, predicted)
         quickest = predicted == predicted.min()

@@ -277,9 +277,6 @@ class Fleet:
         # their raw factors (``factor``): a worker's rate is its raw factor over the mean.
         self.shared_rate: dict[str, float] = {}
         self._factor_sum: dict[str, float] = {}
-        # Per role, how many of its workers report each device class: a factor is learnt
-        # only where a role has more than one (``learn_rate``).
-        self._classes: dict[str, Counter[str]] = {}
         self.decode_capacity = 0
         # Seconds of prefill a worker that hands its prompts over may hold (``fit_budget``;
         # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
@@ -306,6 +303,7 @@ class Fleet:
         self._slots: dict[str, npt.NDArray[np.intp]] = {}
         self._role_slots: dict[str, slice | npt.NDArray[np.intp]] = {}
         self._class_slots: dict[tuple[str, str], npt.NDArray[np.intp]] = {}  # (role, device class)
+        self._classes: Counter[str] = Counter()  # role -> how many device classes its workers report
         self._rank = np.zeros(0, dtype=np.int64)
         self._slots_version = -1
 
@@ -323,7 +321,6 @@ class Fleet:
         self.workers[worker.worker_id] = worker
         (self.decode if worker.role == "decode" else self.prefill)[worker.worker_id] = worker
         self.roles[worker.role] += 1
-        self._classes.setdefault(worker.role, Counter())[worker.device_class] += 1
         self.decode_capacity += kv_share(worker)
         worker.slot = slot
         for name, value in self._row(worker).items():
@@ -359,10 +356,6 @@ class Fleet:
         worker.own_rate = float(self.rate[slot])  # what it leaves with
         scale = self._rate_scale(role)
         self.roles[role] -= 1
-        classes = self._classes[role]
-        classes[worker.device_class] -= 1
-        if not classes[worker.device_class]:
-            del classes[worker.device_class]
         if not self.roles[role]:
             del self.shared_rate[role], self._factor_sum[role]
         else:  # the others' rates as they were: the same scale over the factors left
@@ -470,9 +463,8 @@ class Fleet:
             new = ((1 - own_weight) * relative + own_weight * sample / shared) * mean
             factor_sum += new - old
             factors[slot] = new
-        elif len(self._classes[role]) > 1:  # unlike hardware: the worker's class's factor moves
+        elif self._several_classes(role):  # unlike hardware: the worker's class's factor moves
             step = ((1 - own_weight) * relative + own_weight * sample / shared) / relative
-            self._index_slots()
             slots = self._class_slots[role, worker.device_class]
             before = float(factors[slots].sum())
             factors[slots] *= step
@@ -538,6 +530,12 @@ class Fleet:
         self._index_slots()
         return self._role_slots[role]
 
+    def _several_classes(self, role: str) -> bool:
+        """Whether ``role``'s workers report more than one device class: only there is a
+        class's factor learnt (``learn_rate``)."""
+        self._index_slots()
+        return self._classes[role] > 1
+
     def slots(self, group: str) -> npt.NDArray[np.intp]:
         """The slots of the ``prefill`` or ``decode`` workers, in slot order."""
         self._index_slots()
@@ -558,6 +556,7 @@ class Fleet:
             by_role.setdefault(w.role, []).append(w.slot)
             by_class.setdefault((w.role, w.device_class), []).append(w.slot)
         self._class_slots = {key: np.array(taken, dtype=np.intp) for key, taken in by_class.items()}
+        self._classes = Counter(role for role, _ in by_class)
         self._role_slots = {}
         for role, taken in by_role.items():
             taken.sort()
@@ -643,8 +642,13 @@ class Fleet:
             if n:
                 factors = [self.factor[w.slot] for w in self.workers.values() if w.role == role]
                 assert math.isclose(self._factor_sum[role], sum(factors), rel_tol=1e-9), role
-                kinds = Counter(w.device_class for w in self.workers.values() if w.role == role)
-                assert self._classes[role] == kinds, (role, self._classes[role])
+                kinds: dict[str, list[int]] = {}
+                for w in self.workers.values():
+                    if w.role == role:
+                        kinds.setdefault(w.device_class, []).append(w.slot)
+                assert self._several_classes(role) == (len(kinds) > 1), role
+                for kind, taken in kinds.items():
+                    assert sorted(self._class_slots[role, kind]) == sorted(taken), (role, kind)
         for worker in self.workers.values():
             slot = worker.slot
             assert worker.fleet is self and self.ids[slot] == worker.worker_id, worker.worker_id
