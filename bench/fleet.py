@@ -161,6 +161,15 @@ class PrefixCache:
         self.insert(keys[: hits.total])
         return hits
 
+    def on_device(self, keys: list[int]) -> int:
+        """How many of a prompt's leading blocks are on the device tier (nothing moves)."""
+        device, held = self.tiers[0], 0
+        for key in keys:
+            if key not in device:
+                break
+            held += 1
+        return held
+
     def insert(self, keys: list[int]) -> None:
         """``keys`` on the device tier, the last most recent; what they push out moves down."""
         device = self.tiers[0]
@@ -281,7 +290,10 @@ class SimWorker:
     def _receive(self, task: DecodeTask, now: float) -> None:
         spec = task.spec
         start = max(now, self._link_free_at)
-        self._link_free_at = start + self.cost.transfer_s(len(spec.prompt_tokens))
+        # Only what its device lacks crosses the link: vLLM's connector is asked for the
+        # tokens past the local prefix-cache hit (the blocks its running decodes share).
+        held = self.cache.on_device(spec.block_keys) * spec.block_size
+        self._link_free_at = start + self.cost.transfer_s(len(spec.prompt_tokens) - held)
         self._transfers += 1
         joining = _Joining(spec.request_id, len(spec.prompt_tokens) + 1, spec.sampling.max_tokens)
 

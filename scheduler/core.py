@@ -49,7 +49,7 @@ from switchyard.scheduler.lending import Lending, lane_worker
 from switchyard.scheduler.placement import Placement, Placer
 from switchyard.scheduler.queue import FairQueue
 from switchyard.scheduler.sessions import Binding, SessionTable
-from switchyard.scheduler.state import Fleet, Tracked, WorkerState
+from switchyard.scheduler.state import Fleet, Tracked, WorkerState, shareable_keys
 from switchyard.schemas import (
     DEVICE_CLASS_MAX,
     Admitted,
@@ -428,7 +428,11 @@ class SchedulerCore:
             assert tracked.prompt_tokens == len(spec.prompt_tokens), spec.request_id
             assert tracked.decode_tokens == spec.sampling.kv_tokens(len(spec.prompt_tokens)), spec.request_id
         for worker in self.workers.values():
-            assert worker.load_tokens == sum(worker.assigned.values()), worker.worker_id
+            shared = worker.shared
+            saved = 0 if shared is None else shared.saved
+            assert worker.load_tokens == sum(worker.assigned.values()) - saved, worker.worker_id
+            if shared is not None:
+                shared.check(worker.assigned)
             assert worker.kv_tokens == sum(worker.held.values()), worker.worker_id
             for rid in [*worker.assigned, *worker.held]:
                 assert self.requests[rid].worker_id == worker.worker_id, rid
@@ -984,10 +988,11 @@ class SchedulerCore:
     def _place_decode(self, tracked: Tracked, worker: WorkerState, now: float) -> Dispatch:
         done = tracked.prefill
         assert done is not None
+        spec = tracked.spec
         if worker.role == "both":
-            worker.hold(tracked.spec.request_id, tracked.decode_tokens, self._decode_room(tracked, worker))
+            worker.hold(spec.request_id, tracked.decode_tokens, self._decode_room(tracked, worker))
         else:
-            worker.assign(tracked.spec.request_id, tracked.decode_tokens)
+            worker.assign_decode(spec.request_id, tracked.decode_tokens, shareable_keys(spec, worker))
         tracked.phase, tracked.worker_id = "decode", worker.worker_id
         tracked.decode_started = now
         tracked.attempts += 1
@@ -996,6 +1001,8 @@ class SchedulerCore:
             handle=done.handle,
             first_token=done.first_token,
             usage=done.usage,
+            # In full, less nothing it shares: a scheduler taking over knows no block keys
+            # of what it adopts, so it charges each in full (more than the engine holds).
             charged_tokens=tracked.decode_tokens,
         )
         return Dispatch(worker.worker_id, task)

@@ -32,7 +32,7 @@ from switchyard.scheduler.index import PrefixIndex
 from switchyard.scheduler.lending import pick_decode
 from switchyard.scheduler.native import native as _native
 from switchyard.scheduler.policies import PlacementView, decode_cost, make_policy
-from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id
+from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id, shareable_keys
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ sets each field by a call
@@ -183,13 +183,20 @@ class Placer:
         return worker.fits(view.need(worker)) and (worker.role != "both" or worker.kv_room(request.decode_tokens))
 
     def decode(self, request: Tracked, workers: Iterable[WorkerState] | Fleet) -> WorkerState | None:
-        tokens = request.decode_tokens  # a computed property: once, not once a worker
+        """Where a prefilled request decodes: of the decode workers it fits (its KV less
+        the prompt blocks decodes there already hold, ``WorkerState.assign_decode``), the
+        least loaded once those blocks are taken off (``decode_cost``)."""
+        tokens, spec = request.decode_tokens, request.spec  # computed once, not once a worker
         if isinstance(workers, Fleet):
             if workers.lent or (workers.roles["both"] and not workers.decode):
                 return pick_decode(workers, tokens)  # colocated: handed over to a lent worker
+            sharing = workers.decode_sharing(spec)
+            if sharing:
+                return _decode_sharing(workers, tokens, sharing)
             return _decode_by_slot(workers, tokens, self.index.native)
-        fitting = [w for w in workers if w.role == "decode" and w.fits(tokens)]
-        return min(fitting, key=decode_cost) if fitting else None
+        decoding = [(w, w.sharing(shareable_keys(spec, w))) for w in workers if w.role == "decode"]
+        fitting = [(w, saved) for w, saved in decoding if w.fits(tokens - saved)]
+        return min(fitting, key=lambda ws: decode_cost(*ws))[0] if fitting else None
 
     def _bound(self, fitting: list[WorkerState], bound_worker: str | None, view: PlacementView) -> WorkerState | None:
         if bound_worker is None:
@@ -257,6 +264,25 @@ def _decode_by_slot(fleet: Fleet, tokens: int, native: bool = False) -> WorkerSt
     if not len(slots):
         return None
     share = load[fits] / np.maximum(1.0, budget[fits])
+    slots = slots[share == share.min()]
+    if len(slots) > 1:
+        running = fleet.running[slots]
+        slots = slots[running == running.min()]
+    return lowest_id(fleet, slots)
+
+
+def _decode_sharing(fleet: Fleet, tokens: int, sharing: Mapping[int, int]) -> WorkerState | None:
+    """``_decode_by_slot`` where decodes on some workers hold blocks of the prompt
+    (``sharing``: slot -> tokens): there it needs that much less, and counts that much
+    less loaded."""
+    slots = fleet.slots("decode")
+    saved = np.fromiter((sharing.get(int(s), 0) for s in slots), np.float64, len(slots))
+    load, budget = fleet.load[slots], fleet.budget[slots]
+    fits = (load == 0) | (load + tokens - saved <= budget)
+    if not fits.any():
+        return None
+    slots = slots[fits]
+    share = (load - saved)[fits] / np.maximum(1.0, budget[fits])
     slots = slots[share == share.min()]
     if len(slots) > 1:
         running = fleet.running[slots]

@@ -367,6 +367,7 @@ def make_policy(name: str) -> PrefillPolicy:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
 
 
-def decode_cost(worker: WorkerState) -> tuple[float, int, str]:
-    """Decode placement: KV tokens held against capacity, then sequences running."""
-    return (worker.load_tokens / max(1, worker.token_budget), len(worker.assigned), worker.worker_id)
+def decode_cost(worker: WorkerState, saved: int = 0) -> tuple[float, int, str]:
+    """Decode placement: KV tokens held against capacity, less the ``saved`` tokens of the
+    prompt that decodes there already hold, then sequences running."""
+    return ((worker.load_tokens - saved) / max(1, worker.token_budget), len(worker.assigned), worker.worker_id)

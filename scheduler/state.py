@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from switchyard.schemas import LoadReport, PrefillDone, RequestSpec, Role
+from switchyard.schemas import LoadReport, PrefillDone, RequestSpec, Role, SharedBlocks
 
 Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]  # "prefill" covers a local task too
 
@@ -42,6 +42,9 @@ class WorkerState:
     last_seen: float
     last_seq: int = -1
     assigned: dict[str, int] = field(default_factory=dict)  # request_id -> tokens
+    # A decode worker's ledger counts a prompt block that several of its decodes hold once,
+    # as its engine does (``assign_decode``): load_tokens = sum(assigned) - shared.saved.
+    shared: SharedBlocks | None = None
     load_tokens: int = 0
     # Uncached tokens/s it computes is ``prefill_rate``: out of a fleet this field; in one,
     # its role's shared rate times its own factor (``Fleet.learn_rate``), kept here when it leaves.
@@ -102,6 +105,29 @@ class WorkerState:
             fleet.load[slot] = load
             fleet.running[slot] = len(assigned)
 
+    def assign_decode(self, request_id: str, tokens: int, keys: Sequence[int]) -> None:
+        """Decode ``request_id`` here: ``tokens`` of KV on the ledger, less the prompt
+        blocks (``keys``) a request decoding here already holds."""
+        shared = self.shared
+        if shared is None:
+            shared = self.shared = SharedBlocks(self.block_size)
+        self.assign(request_id, tokens)
+        saved = shared.add(request_id, keys)
+        if saved:
+            self._add_load(-saved)
+
+    def sharing(self, keys: Sequence[int]) -> int:
+        """Tokens of a prompt with these block keys that decodes here already hold."""
+        shared = self.shared
+        return shared.sharing(keys) if shared is not None else 0
+
+    def _add_load(self, tokens: int) -> None:
+        d = self.__dict__
+        load = d["load_tokens"] = d["load_tokens"] + tokens
+        fleet = d["fleet"]
+        if fleet is not None:
+            fleet.load[d["slot"]] = load
+
     def hold(self, request_id: str, tokens: int, room: float = math.inf) -> None:
         """Decode ``request_id``'s ``tokens`` of KV here; it keeps its TPOT SLO through
         ``room`` more prompt tokens placed here."""
@@ -129,6 +155,9 @@ class WorkerState:
                 slot = d["slot"]
                 fleet.load[slot] = load
                 fleet.running[slot] = len(assigned)
+            shared = d["shared"]
+            if shared is not None and request_id in shared:
+                self._add_load(shared.remove(request_id))  # its blocks others hold count once more
         held = d["held"]
         if held:  # only a colocated worker holds decodes
             tokens = held.pop(request_id, None)
@@ -234,6 +263,12 @@ _ARRAYS = {
     "room_edge": math.inf,
     "filled": 0.0,  # filled_at
 }
+
+
+def shareable_keys(spec: RequestSpec, worker: WorkerState) -> Sequence[int]:
+    """The block keys of ``spec`` its decode on ``worker`` can share with others there: all
+    of them, unless the worker's blocks are of another size (its engine's keys differ)."""
+    return spec.block_keys if spec.block_size == worker.block_size else ()
 
 
 def kv_share(worker: WorkerState) -> int:
@@ -581,6 +616,17 @@ class Fleet:
             handing_over, np.minimum(self.budget, self.hold_s * self.rate), self.budget
         )
         return held
+
+    def decode_sharing(self, spec: RequestSpec) -> dict[int, int]:
+        """By slot, the tokens of ``spec``'s prompt that decodes on a decode worker already
+        hold, where any do (``WorkerState.sharing``)."""
+        sharing: dict[int, int] = {}
+        for worker in self.decode.values():
+            if worker.shared:
+                saved = worker.sharing(shareable_keys(spec, worker))
+                if saved:
+                    sharing[worker.slot] = saved
+        return sharing
 
     def fits_held(self, worker: WorkerState, tokens: int) -> bool:
         """Whether ``tokens`` more fit ``worker`` within ``fit_budget`` (the ledger check of

@@ -7,6 +7,7 @@ from switchyard.schemas import batch, codec, files, permissions, subjects, usage
 from switchyard.schemas.codec import Codec
 from switchyard.schemas.config import ConfigStruct, PositiveInt, setting
 from switchyard.schemas.errors import SwitchyardError
+from switchyard.schemas.kvshare import SharedBlocks
 from switchyard.schemas.lazy import lazy_attributes
 from switchyard.schemas.messages import *  # noqa: F403  (the message catalogue is the public API)
 from switchyard.schemas.messages import __all__ as _messages_all
@@ -16,6 +17,7 @@ __all__ = [
     "Codec",
     "ConfigStruct",
     "PositiveInt",
+    "SharedBlocks",
     "SwitchyardError",
     "UsageRecord",
     "batch",

@@ -30,6 +30,7 @@ from switchyard.schemas import (
     PrefillFailed,
     PrefillTask,
     RequestFinished,
+    SharedBlocks,
     StreamChunk,
     TokenLogprobs,
     WorkerTask,
@@ -79,6 +80,10 @@ class DecodeRole:
         self._local: dict[str, tuple[LocalTask, Span]] = {}  # local prefills not yet computed
         self._wake = anyio.Event()
         self.kv_fallbacks = 0  # handed-over KV the engine did not find (it recomputed)
+        # The prompt blocks its decodes share, counted once, as the engine's prefix cache holds
+        # them and as the scheduler's ledger counts them (``SharedBlocks``).
+        # One count per block size (blocks of two sizes never match).
+        self._shared: dict[int, SharedBlocks] = {}
 
     @property
     def kv_cache(self) -> KvCacheView:
@@ -86,7 +91,7 @@ class DecodeRole:
         return self.engine if isinstance(self.engine, KvCacheView) else NoKvCache()
 
     def inflight_tokens(self) -> int:
-        return self.engine.held_tokens
+        return self.held_tokens()
 
     def running(self) -> int:
         return self.engine.running
@@ -102,10 +107,20 @@ class DecodeRole:
         return None
 
     def _has_room(self, task: DecodeTask | LocalTask) -> bool:
-        need = task.spec.sampling.kv_tokens(len(task.spec.prompt_tokens))
-        return not self.engine.running or self.engine.held_tokens + need <= self.token_budget
+        spec = task.spec
+        shared = self._shared.get(spec.block_size)
+        need = spec.sampling.kv_tokens(len(spec.prompt_tokens))
+        if shared is not None:
+            need -= shared.sharing(spec.block_keys)
+        return not self.engine.running or self.held_tokens() + need <= self.token_budget
+
+    def held_tokens(self) -> int:
+        """The KV its decodes hold, each shared prompt block once."""
+        return self.engine.held_tokens - sum(shared.saved for shared in self._shared.values())
 
     def _start(self, task: DecodeTask, ctx) -> None:
+        spec = task.spec
+        self._shared.setdefault(spec.block_size, SharedBlocks(spec.block_size)).add(spec.request_id, spec.block_keys)
         span = tracing.tracer().start_span("worker.decode", context=ctx)
         span.set_attribute("switchyard.worker_id", self.worker_id)
         self.engine.add(task)
@@ -126,10 +141,15 @@ class DecodeRole:
         self._wake.set()
         return None
 
+    def _unshare(self, request_id: str) -> None:
+        for shared in self._shared.values():
+            shared.remove(request_id)
+
     def cancel(self, request_id: str) -> None:
         local = self._local.pop(request_id, None)
         if local is not None:
             local[1].end()
+        self._unshare(request_id)
         if self.engine.abort(request_id):
             stream = self._streams.pop(request_id)
             stream.span.set_attribute("switchyard.cancelled", True)
@@ -203,6 +223,7 @@ class DecodeRole:
                 stream.kv_expected_tokens, stream.kv_loaded_tokens = out.kv_expected_tokens, out.kv_loaded_tokens
                 if out.kv_loaded_tokens < out.kv_expected_tokens:
                     self.kv_fallbacks += 1
+                self._unshare(out.request_id)  # the engine released its KV in this step
                 finished = True
         return finished
 

@@ -23,12 +23,15 @@ from switchyard.scheduler.index import PrefixIndex
 from switchyard.schemas import (
     BlocksRemoved,
     BlocksStored,
+    DecodeTask,
     LoadReport,
     LocalTask,
     PrefillDone,
+    PromptUsage,
     RequestFinished,
     RequestSpec,
     SamplingParams,
+    SimKvHandle,
 )
 
 REQUIRED = (
@@ -141,6 +144,39 @@ def test_colocated_prefill_chunks_slow_the_decodes_sharing_their_iterations():
     alone, disturbed = tpot_of_a_decode(False), tpot_of_a_decode(True)
     assert alone == pytest.approx(COST.iteration_s(0, 1, 1025), rel=0.01)
     assert disturbed > 2 * alone  # 20,000 prompt tokens ride in a's iterations
+
+
+def decode_span(keys_b: list[int]) -> float:
+    """Seconds from b's handoff to its last token, on a decode worker that got a's first."""
+    loop, sink = EventLoop(), Recorder()
+    worker = SimWorker("d", "decode", COST, 100, loop, sink)
+
+    def hand(rid: str, keys: list[int], at: float) -> None:
+        spec = RequestSpec(
+            request_id=rid,
+            ingress_id="t",
+            model="m",
+            prompt_tokens=[0] * (512 * len(keys)),
+            block_size=512,
+            block_keys=keys,
+            sampling=SamplingParams(max_tokens=2),
+        )
+        handle = SimKvHandle(worker_id="p", block_keys=keys, num_tokens=len(spec.prompt_tokens))
+        usage = PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0)
+        task = DecodeTask(spec=spec, handle=handle, first_token=0, usage=usage)
+        loop.at(at, lambda now: worker.accept(task, now))
+
+    hand("a", list(range(1, 41)), 0.0)
+    hand("b", keys_b, 1.0)  # a has arrived and finished by then: its blocks are cached there
+    loop.run()
+    return sink.last["b"] - 1.0
+
+
+def test_a_decode_worker_is_handed_only_the_blocks_its_device_lacks():
+    shared, fresh = decode_span([*range(1, 41), 99]), decode_span(list(range(100, 141)))
+    step = COST.iteration_s(0, 1, 41 * 512 + 1)
+    assert fresh == pytest.approx(COST.transfer_s(41 * 512) + step, rel=0.01)
+    assert shared == pytest.approx(COST.transfer_s(512) + step, rel=0.01)  # one block crosses the link
 
 
 def test_decode_workers_keep_and_report_the_blocks_handed_to_them_like_workers_decode():

@@ -1,0 +1,156 @@
+"""A decode worker holds a prompt block its decodes share once: the scheduler's ledger, its
+decode placement and the worker's own room check all count it so (``SharedBlocks``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from switchyard.schemas import DecodeTask, PromptUsage, SharedBlocks, SimKvHandle
+from switchyard.workers.decode import DecodeRole
+from switchyard.workers.sim import SimEngine, SimEngineConfig
+from tests.support.factories import BLOCK_SIZE, make_spec, prefill_done, prompt_of, request_finished
+from tests.unit.test_decode_role import RecordingBus, _run
+from tests.unit.test_scheduler_core import Harness, cluster, dispatched
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+# --- the count -------------------------------------------------------------------------
+
+
+def test_a_block_is_counted_once_however_many_hold_it() -> None:
+    shared = SharedBlocks(16)
+    assert shared.sharing([1, 2, 3]) == 0
+    assert shared.add("a", [1, 2, 3]) == 0
+    assert shared.sharing([1, 2, 9]) == 32  # the leading blocks held, up to the first that is not
+    assert shared.sharing([9, 2, 3]) == 0
+    assert shared.add("b", [1, 2, 9]) == 32
+    assert shared.add("c", [1, 7]) == 16
+    assert shared.saved == 48  # block 1 held thrice, block 2 twice
+    assert shared.remove("a") == 32  # blocks 1 and 2 are still held by b (and 1 by c): 3 is gone
+    assert shared.saved == 16
+    assert shared.remove("a") == 0  # not held: nothing moves
+    assert shared.remove("b") == 16
+    assert shared.remove("c") == 0
+    assert shared.saved == 0 and len(shared) == 0
+    shared.check(set())
+
+
+def test_saved_is_what_the_counts_say_through_random_adds_and_removes() -> None:
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    shared, held, live = SharedBlocks(4), 0, {}
+    for step in range(2_000):
+        if live and rng.random() < 0.45:
+            rid = rng.choice(sorted(live))
+            shared.remove(rid)
+            live.pop(rid)
+        else:
+            rid = f"r{step}"
+            # Chained keys: a prompt is a path down a small tree of prefixes.
+            keys, node = [], 0
+            for _ in range(rng.randrange(1, 8)):
+                node = node * 3 + rng.randrange(1, 4)
+                keys.append(node)
+            assert shared.sharing(keys) == shared.add(rid, keys), seed
+            live[rid] = keys
+        held = len({k for keys in live.values() for k in keys}) * 4
+        assert sum(len(k) for k in live.values()) * 4 - shared.saved == held, seed
+        shared.check(live)
+
+
+# --- the scheduler -----------------------------------------------------------------------
+
+PREFIX = prompt_of(36 * BLOCK_SIZE, start=11)  # 576 tokens, 36 full blocks
+
+
+def _spec(rid: str, tail: int, prefix: list[int] = PREFIX, max_tokens: int = 10):
+    return make_spec(rid, prompt=prefix + prompt_of(24, start=tail), max_tokens=max_tokens)
+
+
+def _prefilled(h: Harness, spec) -> list:
+    """Admit ``spec``, prefill it on p0, and return the actions of its PrefillDone."""
+    assert dispatched(h.admit(spec)) == [(spec.request_id, "p0")]
+    return h.event(prefill_done(spec, "p0"))
+
+
+def test_a_decode_sharing_a_prompt_fits_where_its_whole_kv_would_not() -> None:
+    h = Harness()
+    cluster(h, {"p0": 100_000}, {"d0": 1000, "d1": 1000})
+    a, c, b = _spec("a", 1), make_spec("c", prompt_len=600, max_tokens=10), _spec("b", 2)
+    assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d0")]
+    assert dispatched(_prefilled(h, c), DecodeTask) == [("c", "d1")]
+    assert h.load("d0") == h.load("d1") == 610
+    # b's 610 tokens fit neither worker whole; on d0 it holds 576 of them with a already.
+    assert dispatched(_prefilled(h, b), DecodeTask) == [("b", "d0")]
+    assert h.load("d0") == 610 + 610 - 576
+    h.event(request_finished(a, "d0"))  # b alone holds the prefix now, all of it its own
+    assert h.load("d0") == 610
+    h.event(request_finished(b, "d0"))
+    assert h.load("d0") == 0
+
+
+def test_a_decode_goes_where_its_prompt_is_held_unless_another_is_emptier_still() -> None:
+    h = Harness()
+    cluster(h, {"p0": 100_000}, {"d0": 10_000, "d1": 10_000})
+    a, c = _spec("a", 1), make_spec("c", prompt_len=300, max_tokens=10)
+    assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d0")]
+    assert dispatched(_prefilled(h, c), DecodeTask) == [("c", "d1")]
+    # d0 holds 610 and d1 310, but b would add 34 to d0 and 610 to d1.
+    assert dispatched(_prefilled(h, _spec("b", 2)), DecodeTask) == [("b", "d0")]
+    # Another prompt's decode shares nothing: the emptier worker takes it.
+    other = _spec("e", 3, prefix=prompt_of(36 * BLOCK_SIZE, start=99))
+    assert dispatched(_prefilled(h, other), DecodeTask) == [("e", "d1")]
+
+
+def test_blocks_of_another_size_are_not_shared() -> None:
+    h = Harness()
+    cluster(h, {"p0": 100_000}, {"d0": 1000})  # the workers' blocks are of BLOCK_SIZE
+    prompt = PREFIX + prompt_of(24, start=5)
+    a = make_spec("a", prompt=prompt, max_tokens=10, block_size=2 * BLOCK_SIZE)
+    b = make_spec("b", prompt=prompt, max_tokens=10, block_size=2 * BLOCK_SIZE)
+    assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d0")]
+    assert dispatched(_prefilled(h, b), DecodeTask) == []  # 1,220 tokens: it waits for room
+    assert h.load("d0") == 610
+
+
+def test_a_cancelled_or_lost_decode_gives_back_what_it_alone_held() -> None:
+    h = Harness()
+    cluster(h, {"p0": 100_000}, {"d0": 10_000})
+    a, b = _spec("a", 1), _spec("b", 2)
+    _prefilled(h, a), _prefilled(h, b)
+    assert h.load("d0") == 610 + 34
+    h.cancel("b")
+    assert h.load("d0") == 610
+    h.cancel("a")
+    assert h.load("d0") == 0
+
+
+# --- the worker ------------------------------------------------------------------------
+
+
+def _task(spec) -> DecodeTask:
+    return DecodeTask(
+        spec=spec,
+        handle=SimKvHandle(worker_id="p", block_keys=spec.block_keys, num_tokens=len(spec.prompt_tokens)),
+        first_token=7,
+        usage=PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0),
+    )
+
+
+@pytest.mark.anyio
+async def test_the_worker_takes_what_the_ledger_counts_and_gives_it_back() -> None:
+    role, bus = DecodeRole(SimEngine(SimEngineConfig(), "d"), "d", 1000), RecordingBus()
+    a, b, c = _spec("a", 1, max_tokens=20), _spec("b", 2, max_tokens=20), make_spec("c", prompt_len=600)
+    assert role.offer(_task(a), {}) is None
+    assert role.offer(_task(c), {}) == "no KV capacity"  # 620 + 608: over 1,000
+    assert role.offer(_task(b), {}) is None  # 620 + 44: its prefix is a's
+    assert role.inflight_tokens() == 620 + 620 - 576
+    await _run(role, bus, lambda: len(bus.events) == 2)
+    assert role.inflight_tokens() == 0 and role.running() == 0
+    assert role.offer(_task(c), {}) is None
