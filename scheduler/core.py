@@ -378,7 +378,7 @@ class SchedulerCore:
         prefill, rate = self._prefill_fleet()
         wait = self.predicted_start_s()
         capacity = self.decode_capacity()
-        decode_full = self._decode_demand > self.config.decode_overcommit * capacity
+        decode_full = self._claimed() > self.config.decode_overcommit * capacity
         queue_full = self._queue.tokens > 0.9 * self.config.max_queued_tokens
         return RegionSummary(
             region=region,
@@ -392,7 +392,7 @@ class SchedulerCore:
             inflight_tokens=sum(w.load_tokens for w in prefill),
             prefill_budget_tokens=sum(w.token_budget for w in prefill),
             decode_capacity_tokens=capacity,
-            decode_demand_tokens=self._decode_demand,
+            decode_demand_tokens=self._claimed(),
             prefill_workers=len(prefill),
             decode_workers=sum(1 for w in self.workers.values() if w.role != "prefill"),
             saturated=not prefill or wait > self.config.spill_wait_s or queue_full or decode_full,
@@ -490,14 +490,16 @@ class SchedulerCore:
             # after its first token, and so miss its time per output token.
             waiting = sum(self.requests[r].decode_tokens for r in self._decode_wait)
             return self._decode_full(rid, f"{len(self._decode_wait)} prefilled requests wait for room", waiting)
-        limit = self.config.decode_overcommit * capacity
-        if self._decode_demand == 0 or self._decode_demand + decode_tokens <= limit:
+        limit, demand = self.config.decode_overcommit * capacity, self._claimed()
+        if self._decode_demand == 0 or demand + decode_tokens <= limit:
             return None
-        why = (
-            f"requests in flight claim {self._decode_demand} KV tokens of {capacity} "
-            f"({self.config.decode_overcommit:g}x allowed)"
-        )
-        return self._decode_full(rid, why, self._decode_demand + decode_tokens - limit)
+        why = f"requests in flight claim {demand} KV tokens of {capacity} ({self.config.decode_overcommit:g}x allowed)"
+        return self._decode_full(rid, why, demand + decode_tokens - limit)
+
+    def _claimed(self) -> int:
+        """KV tokens the requests in flight claim of the decode fleet: each its prompt and
+        output, less the prompt blocks a decode shares with another on its worker."""
+        return self._decode_demand - self.fleet.decode_saved
 
     def _decode_full(self, rid: str, why: str, excess_tokens: float) -> Rejected:
         """The 429 of a full decode fleet: retry once decodes have freed ``excess_tokens``."""

@@ -466,7 +466,7 @@ class PrefixIndex:
         wanted = self._wanted(workers)
         if not self.native:
             walk = self._walk(block_keys, wanted)
-            return _by_slot(walk.stopped, len(self._ids)), _by_slot(walk.device_stopped, len(self._ids))
+            return by_slot(walk.stopped, len(self._ids)), by_slot(walk.device_stopped, len(self._ids))
         n = len(self._ids)
         both = np.empty(2 * n, dtype=np.int32)  # one allocation; the walk zeroes it
         blocks, device = both[:n], both[n:]
@@ -614,7 +614,8 @@ def _place(keys: npt.NDArray[np.uint64], bits: int) -> npt.NDArray[np.int64]:
     return slots
 
 
-def _by_slot(stopped: list[tuple[int, int]], slots: int) -> npt.NDArray[np.int32]:
+def by_slot(stopped: list[tuple[int, int]], slots: int) -> npt.NDArray[np.int32]:
+    """Counts by slot, from (bitset of slots, count) pairs of disjoint bitsets; 0 elsewhere."""
     counts = np.zeros(slots, dtype=np.int32)
     for mask, blocks in stopped:
         raw = np.frombuffer(mask.to_bytes((slots + 7) // 8, "little"), dtype=np.uint8)

@@ -191,7 +191,7 @@ class Placer:
             if workers.lent or (workers.roles["both"] and not workers.decode):
                 return pick_decode(workers, tokens)  # colocated: handed over to a lent worker
             sharing = workers.decode_sharing(spec)
-            if sharing:
+            if sharing is not None:
                 return _decode_sharing(workers, tokens, sharing)
             return _decode_by_slot(workers, tokens, self.index.native)
         decoding = [(w, w.sharing(shareable_keys(spec, w))) for w in workers if w.role == "decode"]
@@ -271,12 +271,12 @@ def _decode_by_slot(fleet: Fleet, tokens: int, native: bool = False) -> WorkerSt
     return lowest_id(fleet, slots)
 
 
-def _decode_sharing(fleet: Fleet, tokens: int, sharing: Mapping[int, int]) -> WorkerState | None:
+def _decode_sharing(fleet: Fleet, tokens: int, sharing: npt.NDArray[np.int32]) -> WorkerState | None:
     """``_decode_by_slot`` where decodes on some workers hold blocks of the prompt
-    (``sharing``: slot -> tokens): there it needs that much less, and counts that much
+    (``sharing``: tokens by slot): there it needs that much less, and counts that much
     less loaded."""
     slots = fleet.slots("decode")
-    saved = np.fromiter((sharing.get(int(s), 0) for s in slots), np.float64, len(slots))
+    saved = sharing[slots]
     load, budget = fleet.load[slots], fleet.budget[slots]
     fits = (load == 0) | (load + tokens - saved <= budget)
     if not fits.any():

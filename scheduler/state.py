@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from switchyard.scheduler.index import by_slot
 from switchyard.schemas import LoadReport, PrefillDone, RequestSpec, Role, SharedBlocks
 
 Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]  # "prefill" covers a local task too
@@ -112,21 +113,27 @@ class WorkerState:
         if shared is None:
             shared = self.shared = SharedBlocks(self.block_size)
         self.assign(request_id, tokens)
-        saved = shared.add(request_id, keys)
+        fresh: list[int] = []
+        saved = shared.add(request_id, keys, fresh)
         if saved:
-            self._add_load(-saved)
+            self._shift_saved(saved)
+        fleet = self.__dict__["fleet"]
+        if fresh and fleet is not None:
+            fleet.hold_keys(self.slot, fresh, True)
 
     def sharing(self, keys: Sequence[int]) -> int:
         """Tokens of a prompt with these block keys that decodes here already hold."""
         shared = self.shared
         return shared.sharing(keys) if shared is not None else 0
 
-    def _add_load(self, tokens: int) -> None:
+    def _shift_saved(self, tokens: int) -> None:
+        """``tokens`` more of its ledger are shared blocks counted twice: that much less load."""
         d = self.__dict__
-        load = d["load_tokens"] = d["load_tokens"] + tokens
+        load = d["load_tokens"] = d["load_tokens"] - tokens
         fleet = d["fleet"]
         if fleet is not None:
             fleet.load[d["slot"]] = load
+            fleet.decode_saved += tokens
 
     def hold(self, request_id: str, tokens: int, room: float = math.inf) -> None:
         """Decode ``request_id``'s ``tokens`` of KV here; it keeps its TPOT SLO through
@@ -157,7 +164,10 @@ class WorkerState:
                 fleet.running[slot] = len(assigned)
             shared = d["shared"]
             if shared is not None and request_id in shared:
-                self._add_load(shared.remove(request_id))  # its blocks others hold count once more
+                gone: list[int] = []
+                self._shift_saved(-shared.remove(request_id, gone))  # its blocks others hold count once more
+                if gone and fleet is not None:
+                    fleet.hold_keys(d["slot"], gone, False)
         held = d["held"]
         if held:  # only a colocated worker holds decodes
             tokens = held.pop(request_id, None)
@@ -313,6 +323,11 @@ class Fleet:
         self.shared_rate: dict[str, float] = {}
         self._factor_sum: dict[str, float] = {}
         self.decode_capacity = 0
+        # Of the decode ledgers' sum of each decode's KV, the shared blocks counted twice
+        # (``WorkerState.shared``): what decoding requests claim is that sum less this.
+        self.decode_saved = 0
+        # Block key -> the slots whose decodes hold it, a bitset (``decode_sharing``).
+        self._holding: dict[int, int] = {}
         # Seconds of prefill a worker that hands its prompts over may hold (``fit_budget``;
         # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
         self.hold_s = 0.0
@@ -358,6 +373,9 @@ class Fleet:
         self.roles[worker.role] += 1
         self.decode_capacity += kv_share(worker)
         worker.slot = slot
+        if worker.shared is not None:
+            self.decode_saved += worker.shared.saved
+            self.hold_keys(slot, worker.shared.held(), True)
         for name, value in self._row(worker).items():
             getattr(self, name)[slot] = value
         # A worker joins at the rate its role's workers share (it is assumed one of them
@@ -388,6 +406,9 @@ class Fleet:
                 self.take_back(lent)
         self.decode_capacity -= kv_share(worker)
         slot, role = worker.slot, worker.role
+        if worker.shared is not None:
+            self.decode_saved -= worker.shared.saved
+            self.hold_keys(slot, worker.shared.held(), False)
         worker.own_rate = float(self.rate[slot])  # what it leaves with
         scale = self._rate_scale(role)
         self.roles[role] -= 1
@@ -617,16 +638,39 @@ class Fleet:
         )
         return held
 
-    def decode_sharing(self, spec: RequestSpec) -> dict[int, int]:
-        """By slot, the tokens of ``spec``'s prompt that decodes on a decode worker already
-        hold, where any do (``WorkerState.sharing``)."""
-        sharing: dict[int, int] = {}
-        for worker in self.decode.values():
-            if worker.shared:
-                saved = worker.sharing(shareable_keys(spec, worker))
-                if saved:
-                    sharing[worker.slot] = saved
-        return sharing
+    def decode_sharing(self, spec: RequestSpec) -> npt.NDArray[np.int32] | None:
+        """By slot, the tokens of ``spec``'s prompt that decodes there already hold
+        (``WorkerState.sharing`` for every worker at once, from the bitsets: whoever holds
+        a block holds the ones before it); None where none holds its first block."""
+        keys, holding = spec.block_keys, self._holding
+        mask = holding.get(keys[0], 0) if keys else 0
+        if not mask:
+            return None
+        stopped: list[tuple[int, int]] = []  # (slots whose run ends at, blocks)
+        for depth, key in enumerate(keys[1:], 1):
+            deeper = mask & holding.get(key, 0)
+            if deeper != mask:
+                stopped.append((mask & ~deeper, depth))
+                if not deeper:
+                    break
+            mask = deeper
+        else:
+            stopped.append((mask, len(keys)))
+        return by_slot(stopped, len(self.ids)) * spec.block_size
+
+    def hold_keys(self, slot: int, keys: list[int], held: bool) -> None:
+        """Decodes on ``slot`` hold ``keys`` from now on (``held``), or no longer do."""
+        holding, bit = self._holding, 1 << slot
+        if held:
+            for key in keys:
+                holding[key] = holding.get(key, 0) | bit
+        else:
+            for key in keys:
+                mask = holding[key] & ~bit
+                if mask:
+                    holding[key] = mask
+                else:
+                    del holding[key]
 
     def fits_held(self, worker: WorkerState, tokens: int) -> bool:
         """Whether ``tokens`` more fit ``worker`` within ``fit_budget`` (the ledger check of
@@ -683,6 +727,12 @@ class Fleet:
         assert self.prefill or not self.lent, "lent workers and none that prefills"
         assert not self.lent or set(self.roles.elements()) == {"both"}, "lent workers in a mixed fleet"
         assert self.decode_capacity == sum(kv_share(w) for w in self.workers.values())
+        assert self.decode_saved == sum(w.shared.saved for w in self.workers.values() if w.shared is not None)
+        holding: dict[int, int] = {}
+        for w in self.workers.values():
+            for key in w.shared.held() if w.shared is not None else ():
+                holding[key] = holding.get(key, 0) | 1 << w.slot
+        assert holding == self._holding
         assert set(self.shared_rate) == set(self.roles.elements()), self.shared_rate
         for role, n in self.roles.items():
             if n:

@@ -34,6 +34,10 @@ class SharedBlocks:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._keys
 
+    def held(self) -> list[int]:
+        """Every block key held here."""
+        return list(self._refs)
+
     def sharing(self, keys: Sequence[int]) -> int:
         """Tokens of a prompt with these block keys already held here: its leading blocks
         that a running request holds. A block's key covers its prefix, so whoever holds a
@@ -48,20 +52,25 @@ class SharedBlocks:
             held += 1
         return held * self.block_size
 
-    def add(self, request_id: str, keys: Sequence[int]) -> int:
-        """A request starts decoding here; the tokens it shares with the others."""
+    def add(self, request_id: str, keys: Sequence[int], fresh: list[int] | None = None) -> int:
+        """A request starts decoding here; the tokens it shares with the others. The keys
+        held here only from now on are appended to ``fresh``."""
         assert request_id not in self._keys, request_id
         refs, shared = self._refs, 0
         for key in keys:
             count = refs.get(key, 0)
-            shared += count > 0
+            if count:
+                shared += 1
+            elif fresh is not None:
+                fresh.append(key)
             refs[key] = count + 1
         self._keys[request_id] = keys
         self.saved += shared * self.block_size
         return shared * self.block_size
 
-    def remove(self, request_id: str) -> int:
-        """A request ended here (or never was): by how much ``saved`` fell."""
+    def remove(self, request_id: str, gone: list[int] | None = None) -> int:
+        """A request ended here (or never was): by how much ``saved`` fell. The keys no
+        longer held here are appended to ``gone``."""
         keys = self._keys.pop(request_id, None)
         if keys is None:
             return 0
@@ -73,6 +82,8 @@ class SharedBlocks:
                 dropped += 1  # still held by another: no longer counted twice
             else:
                 del refs[key]
+                if gone is not None:
+                    gone.append(key)
         self.saved -= dropped * self.block_size
         return dropped * self.block_size
 
