@@ -147,6 +147,13 @@ _DECODE_SLACK = 0.5
 # them, and a long one waits for a worker to drain. Off on a fleet not busy lately, and for a
 # prompt the policy would place, unheld, on a worker that holds at least ``_HOLD_REUSE`` of
 # it: held from there it would go to an idle worker and recompute its prefix.
+# Decode workers whose finished decodes have run slower than this share of the TPOT SLO
+# lately (averaged over about ``1 / _DECODE_TPOT_WEIGHT`` decodes) take no new decode but on
+# an idle worker: prefilled requests wait, and new ones get 429 up front (``_decode_refusal``),
+# until the running decodes have finished faster. Their memory is no bound on their step
+# time: a step reads every sequence's KV, shared blocks each time (see ``SharedBlocks``).
+_DECODE_FULL = 0.9
+_DECODE_TPOT_WEIGHT = 0.05
 _HOLD_BUSY = 0.5
 _HOLD_REUSE = 0.5
 _HOLD_S = 0.15
@@ -176,6 +183,7 @@ class SchedulerCore:
         # capacity; and how long a decode lasts (learned), for the Retry-After.
         self._decode_demand = 0
         self._decode_s = config.default_decode_s
+        self._decode_tpot: float | None = None  # decode workers' decodes lately (``_DECODE_FULL``)
         self._arrivals = 0
         self.reclaimed = 0  # requests forgotten by an audit (scheduler.audit): stranded otherwise
         # Stranded state, counted: session bindings dropped because their worker is gone, and
@@ -247,6 +255,7 @@ class SchedulerCore:
         if tracked is None or tracked.worker_id != finished.worker_id:
             return []  # stale: from an attempt that is no longer the request's
         self._learn_decode(tracked, now)
+        self._learn_tpot(tracked, finished, now)
         self._lend(tracked, finished, now)
         self._forget(finished.request_id)
         return self._drain(now)
@@ -514,6 +523,23 @@ class SchedulerCore:
     def _learn_decode(self, tracked: Tracked, now: float) -> None:
         if tracked.decode_started is not None and tracked.phase == "decode":
             self._decode_s = (1 - _RATE_WEIGHT) * self._decode_s + _RATE_WEIGHT * (now - tracked.decode_started)
+
+    def _learn_tpot(self, tracked: Tracked, finished: RequestFinished, now: float) -> None:
+        """The time per output token of a decode a decode worker finished (its whole decode,
+        from its placement, handoff included, as the SLO counts it)."""
+        worker = self.workers.get(finished.worker_id)
+        if worker is None or worker.role != "decode" or tracked.phase != "decode" or tracked.decode_started is None:
+            return
+        if finished.generated_tokens < 2:
+            return
+        tpot = (now - tracked.decode_started) / (finished.generated_tokens - 1)
+        last = self._decode_tpot
+        self._decode_tpot = tpot if last is None else (1 - _DECODE_TPOT_WEIGHT) * last + _DECODE_TPOT_WEIGHT * tpot
+
+    def _decodes_slow(self) -> bool:
+        """Whether decode workers' decodes have run too slow lately to take more (SLO-aware)."""
+        slo, tpot = self.config.tpot_slo_s, self._decode_tpot
+        return self._slo_aware_on and slo > 0 and tpot is not None and tpot > _DECODE_FULL * slo
 
     def _decode_room(self, tracked: Tracked, worker: WorkerState) -> float:
         """Prompt tokens a colocated worker can take beside a decode before it misses the
@@ -980,7 +1006,7 @@ class SchedulerCore:
         actions: list[Action] = []
         while self._decode_wait:
             tracked = self.requests[self._decode_wait[0]]
-            worker = self.placer.decode(tracked, self.fleet)
+            worker = self.placer.decode(tracked, self.fleet, idle_only=self._decodes_slow())
             if worker is None:
                 break
             self._decode_wait.pop(0)

@@ -182,18 +182,25 @@ class Placer:
     def _fits(worker: WorkerState, request: Tracked, view: PlacementView) -> bool:
         return worker.fits(view.need(worker)) and (worker.role != "both" or worker.kv_room(request.decode_tokens))
 
-    def decode(self, request: Tracked, workers: Iterable[WorkerState] | Fleet) -> WorkerState | None:
+    def decode(
+        self, request: Tracked, workers: Iterable[WorkerState] | Fleet, idle_only: bool = False
+    ) -> WorkerState | None:
         """Where a prefilled request decodes: of the decode workers it fits (its KV less
         the prompt blocks decodes there already hold, ``WorkerState.assign_decode``), the
-        least loaded once those blocks are taken off (``decode_cost``)."""
+        least loaded once those blocks are taken off (``decode_cost``). ``idle_only``: of the
+        decode workers decoding nothing (the core's decodes run slow, ``_DECODE_FULL``)."""
         tokens, spec = request.decode_tokens, request.spec  # computed once, not once a worker
         if isinstance(workers, Fleet):
             if workers.lent or (workers.roles["both"] and not workers.decode):
                 return pick_decode(workers, tokens)  # colocated: handed over to a lent worker
+            if idle_only:
+                return min(_idle_decode(workers.decode.values()), key=decode_cost, default=None)
             sharing = workers.decode_sharing(spec)
             if sharing is not None:
                 return _decode_sharing(workers, tokens, sharing)
             return _decode_by_slot(workers, tokens, self.index.native)
+        if idle_only:
+            return min(_idle_decode(workers), key=decode_cost, default=None)
         decoding = [(w, w.sharing(shareable_keys(spec, w))) for w in workers if w.role == "decode"]
         fitting = [(w, saved) for w, saved in decoding if w.fits(tokens - saved)]
         return min(fitting, key=lambda ws: decode_cost(*ws))[0] if fitting else None
@@ -269,6 +276,10 @@ def _decode_by_slot(fleet: Fleet, tokens: int, native: bool = False) -> WorkerSt
         running = fleet.running[slots]
         slots = slots[running == running.min()]
     return lowest_id(fleet, slots)
+
+
+def _idle_decode(workers: Iterable[WorkerState]) -> list[WorkerState]:
+    return [w for w in workers if w.role == "decode" and not w.assigned]
 
 
 def _decode_sharing(fleet: Fleet, tokens: int, sharing: npt.NDArray[np.int32]) -> WorkerState | None:

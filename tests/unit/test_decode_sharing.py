@@ -154,3 +154,49 @@ async def test_the_worker_takes_what_the_ledger_counts_and_gives_it_back() -> No
     await _run(role, bus, lambda: len(bus.events) == 2)
     assert role.inflight_tokens() == 0 and role.running() == 0
     assert role.offer(_task(c), {}) is None
+
+
+# --- decodes that run slow take no more -----------------------------------------------------
+
+
+def _slow_fleet(policy: str = "switchyard") -> Harness:
+    h = Harness(policy=policy, ttft_slo_s=2.0, tpot_slo_s=0.05)
+    cluster(h, {"p0": 100_000}, {"d0": 100_000, "d1": 100_000})
+    return h
+
+
+def _decode(h: Harness, spec, seconds: float) -> str:
+    """Prefill and hand ``spec`` over at once; finish its decode ``seconds`` later."""
+    (worker,) = [w for _, w in dispatched(_prefilled(h, spec), DecodeTask)]
+    h.clock.advance(seconds)
+    h.event(request_finished(spec, worker))
+    return worker
+
+
+def _three_after(h: Harness, per_token_s: float) -> tuple[list[str], Harness]:
+    """40 decodes of 9 tokens after the first at ``per_token_s``, then three more handed
+    over at once: the workers they went to."""
+    for i in range(40):
+        _decode(h, make_spec(f"before{i}", prompt_len=100, max_tokens=10), 9 * per_token_s)
+    specs = [make_spec(r, prompt_len=100, max_tokens=10) for r in "abc"]
+    return [w for spec in specs for _, w in dispatched(_prefilled(h, spec), DecodeTask)], h
+
+
+def test_decodes_running_slow_take_no_more_but_on_an_idle_worker() -> None:
+    placed, h = _three_after(_slow_fleet(), 0.06)  # 60 ms a token against a 50 ms SLO
+    assert placed == ["d0", "d1"]  # each to an idle worker; c waits for room
+    assert h.phase("c") == "awaiting_decode"
+    reply, _ = h.submit(make_spec("d", prompt_len=100, max_tokens=10))
+    assert reply.reason == "overloaded" and "wait for room" in reply.message  # type: ignore[union-attr]
+    h.clock.advance(0.2)
+    assert dispatched(h.event(request_finished(h.core.requests["a"].spec, "d0")), DecodeTask) == [("c", "d0")]
+
+
+def test_decodes_running_quick_share_a_worker() -> None:
+    placed, _ = _three_after(_slow_fleet(), 0.02)
+    assert placed == ["d0", "d1", "d0"]
+
+
+def test_the_peers_decode_whatever_the_time_per_token() -> None:
+    placed, _ = _three_after(_slow_fleet("dynamo_kv"), 0.06)
+    assert placed == ["d0", "d1", "d0"]
