@@ -755,25 +755,29 @@ done:
     return result;
 }
 
-/* choose_decode(load, budget, running, rank, slots, tokens) -> slot, or -1 if none fits
+/* choose_decode(load, budget, running, rank, slots, tokens, saved) -> slot, or -1 if none fits
  *
  * ``_decode_by_slot``: among the decode workers at ``slots`` that take ``tokens``, the one of
  * the least KV share of its budget, then the fewest sequences, then the lowest ``rank`` (the
- * fleet's order of worker ids). */
+ * fleet's order of worker ids). ``saved`` (None, or int32 by slot): the prompt's tokens that
+ * decodes on each worker already hold, which it needs less there and which count off that
+ * worker's load (``Fleet.decode_sharing``). */
 static PyObject *choose_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *o_load, *o_budget, *o_running, *o_rank, *o_slots;
+    PyObject *o_load, *o_budget, *o_running, *o_rank, *o_slots, *o_saved;
     long long tokens;
-    if (parse_args(args, nargs, "choose_decode", "OOOOOL", &o_load, &o_budget, &o_running, &o_rank, &o_slots,
-                   &tokens) < 0)
+    if (parse_args(args, nargs, "choose_decode", "OOOOOLO", &o_load, &o_budget, &o_running, &o_rank, &o_slots,
+                   &tokens, &o_saved) < 0)
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
     double *load, *budget, *running;
     int64_t *rank, *slots;
+    int32_t *saved = NULL;
     Py_ssize_t nfleet, n, k;
     if (!(load = take(&b, o_load, 8, 0, &nfleet)) || !(budget = take(&b, o_budget, 8, 0, &k)) || k != nfleet ||
         !(running = take(&b, o_running, 8, 0, &k)) || k != nfleet || !(rank = take(&b, o_rank, 8, 0, &k)) ||
-        k != nfleet || !(slots = take(&b, o_slots, 8, 0, &n))) {
+        k != nfleet || !(slots = take(&b, o_slots, 8, 0, &n)) ||
+        (o_saved != Py_None && (!(saved = take(&b, o_saved, 4, 0, &k)) || k != nfleet))) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the fleet's arrays differ in length");
         goto done;
     }
@@ -785,8 +789,9 @@ static PyObject *choose_decode(PyObject *self, PyObject *const *args, Py_ssize_t
             PyErr_SetString(PyExc_IndexError, "a slot past the fleet");
             goto done;
         }
-        if (!(load[s] == 0.0 || load[s] + (double)tokens <= budget[s])) continue;
-        double share = load[s] / (budget[s] > 1.0 ? budget[s] : 1.0);
+        double held = saved ? (double)saved[s] : 0.0;
+        if (!(load[s] == 0.0 || load[s] + (double)tokens - held <= budget[s])) continue;
+        double share = (load[s] - held) / (budget[s] > 1.0 ? budget[s] : 1.0);
         if (best < 0 || share < best_share || (share == best_share && running[s] < best_running)) {
             best_share = share;
             best_running = running[s];

@@ -439,10 +439,11 @@ class SchedulerCore:
         for worker in self.workers.values():
             shared = worker.shared
             saved = 0 if shared is None else shared.saved
-            assert worker.load_tokens == sum(worker.assigned.values()) - saved, worker.worker_id
+            colocated = worker.role == "both"
+            assert worker.load_tokens == sum(worker.assigned.values()) - (0 if colocated else saved), worker.worker_id
+            assert worker.kv_tokens == sum(worker.held.values()) - (saved if colocated else 0), worker.worker_id
             if shared is not None:
-                shared.check(worker.assigned)
-            assert worker.kv_tokens == sum(worker.held.values()), worker.worker_id
+                shared.check(worker.held if colocated else worker.assigned)
             for rid in [*worker.assigned, *worker.held]:
                 assert self.requests[rid].worker_id == worker.worker_id, rid
         queued = self._queue.request_ids()
@@ -918,10 +919,11 @@ class SchedulerCore:
             return self._drain_prefill(now)
         tracked.prefill, tracked.attempts = done, 0
         if tracked.local:  # decodes where it prefilled
+            keys = shareable_keys(tracked.spec, worker)
             if worker.role == "both":
-                worker.hold(done.request_id, tracked.decode_tokens, self._decode_room(tracked, worker))
+                worker.hold_decode(done.request_id, tracked.decode_tokens, self._decode_room(tracked, worker), keys)
             else:
-                worker.assign(done.request_id, tracked.decode_tokens)
+                worker.assign_decode(done.request_id, tracked.decode_tokens, keys)
             tracked.phase, tracked.decode_started = "decode", now
             return self._drain_prefill(now)
         if tracked.adopted:  # nothing to hand a decode worker: the prompt never came
@@ -1018,7 +1020,8 @@ class SchedulerCore:
         assert done is not None
         spec = tracked.spec
         if worker.role == "both":
-            worker.hold(spec.request_id, tracked.decode_tokens, self._decode_room(tracked, worker))
+            room, keys = self._decode_room(tracked, worker), shareable_keys(spec, worker)
+            worker.hold_decode(spec.request_id, tracked.decode_tokens, room, keys)
         else:
             worker.assign_decode(spec.request_id, tracked.decode_tokens, shareable_keys(spec, worker))
         tracked.phase, tracked.worker_id = "decode", worker.worker_id

@@ -38,7 +38,8 @@ import math
 from collections.abc import Callable
 
 from switchyard.scheduler.config import SchedulerConfig
-from switchyard.scheduler.state import Fleet, WorkerState
+from switchyard.scheduler.state import Fleet, WorkerState, shareable_keys
+from switchyard.schemas import RequestSpec
 
 _SLOW = 0.85  # lend another worker when decodes take more than this share of the SLO...
 _QUICK = 0.6  # ...take one back when the lent ones take less, and prefill is short
@@ -104,14 +105,19 @@ def _to_lend(fleet: Fleet) -> WorkerState | None:
     return min(both, key=lambda w: (-len(w.held), w.load_tokens, w.worker_id))
 
 
-def pick_decode(fleet: Fleet, tokens: int) -> WorkerState | None:
+def pick_decode(fleet: Fleet, tokens: int, spec: RequestSpec | None = None) -> WorkerState | None:
     """Where a colocated fleet decodes a handed-over request: the lent worker with room that
     decodes the fewest sequences; with none, the colocated worker with room that has the
-    fewest prompt tokens on its ledger (then the fewest decodes)."""
-    lent = [w for w in fleet.lent.values() if w.kv_room(tokens)]
+    fewest prompt tokens on its ledger (then the fewest decodes). Room for its KV less the
+    prompt blocks decodes there already hold (``WorkerState.hold_decode``)."""
+
+    def room(w: WorkerState) -> bool:
+        return w.kv_room(tokens - (w.sharing(shareable_keys(spec, w)) if spec is not None else 0))
+
+    lent = [w for w in fleet.lent.values() if room(w)]
     if lent:
         return min(lent, key=lambda w: (len(w.held), w.worker_id))
-    both = [w for w in fleet.prefill.values() if w.role == "both" and w.kv_room(tokens)]
+    both = [w for w in fleet.prefill.values() if w.role == "both" and room(w)]
     return min(both, key=lambda w: (w.load_tokens, len(w.held), w.worker_id)) if both else None
 
 

@@ -192,13 +192,10 @@ class Placer:
         tokens, spec = request.decode_tokens, request.spec  # computed once, not once a worker
         if isinstance(workers, Fleet):
             if workers.lent or (workers.roles["both"] and not workers.decode):
-                return pick_decode(workers, tokens)  # colocated: handed over to a lent worker
+                return pick_decode(workers, tokens, spec)  # colocated: handed over to a lent worker
             if idle_only:
                 return min(_idle_decode(workers.decode.values()), key=decode_cost, default=None)
-            sharing = workers.decode_sharing(spec)
-            if sharing is not None:
-                return _decode_sharing(workers, tokens, sharing)
-            return _decode_by_slot(workers, tokens, self.index.native)
+            return _decode_by_slot(workers, tokens, self.index.native, workers.decode_sharing(spec))
         if idle_only:
             return min(_idle_decode(workers), key=decode_cost, default=None)
         decoding = [(w, w.sharing(shareable_keys(spec, w))) for w in workers if w.role == "decode"]
@@ -257,20 +254,25 @@ def _fitting(
     return fitting
 
 
-def _decode_by_slot(fleet: Fleet, tokens: int, native: bool = False) -> WorkerState | None:
+def _decode_by_slot(
+    fleet: Fleet, tokens: int, native: bool = False, saved: npt.NDArray[np.int32] | None = None
+) -> WorkerState | None:
     """``Placer.decode`` from the fleet's arrays: among the decode workers that fit, the
-    least ``decode_cost`` (KV load share, then sequences running, then the id); ``native``:
+    least ``decode_cost`` (KV load share, then sequences running, then the id); ``saved``
+    (tokens by slot, ``Fleet.decode_sharing``): the prompt's tokens decodes there already
+    hold, which it needs less there and which count off that worker's load; ``native``:
     that same loop in C."""
     slots = fleet.slots("decode")
     if native:
-        slot = _native.choose_decode(fleet.load, fleet.budget, fleet.running, fleet.id_rank(), slots, tokens)
+        slot = _native.choose_decode(fleet.load, fleet.budget, fleet.running, fleet.id_rank(), slots, tokens, saved)
         return fleet.workers[fleet.ids[slot]] if slot >= 0 else None  # type: ignore[index]  # a taken slot
     load, budget = fleet.load[slots], fleet.budget[slots]
-    fits = (load == 0) | (load + tokens <= budget)
+    held = saved[slots] if saved is not None else 0
+    fits = (load == 0) | (load + tokens - held <= budget)
     slots = slots[fits]
     if not len(slots):
         return None
-    share = load[fits] / np.maximum(1.0, budget[fits])
+    share = (load - held)[fits] / np.maximum(1.0, budget[fits])
     slots = slots[share == share.min()]
     if len(slots) > 1:
         running = fleet.running[slots]
@@ -280,25 +282,6 @@ def _decode_by_slot(fleet: Fleet, tokens: int, native: bool = False) -> WorkerSt
 
 def _idle_decode(workers: Iterable[WorkerState]) -> list[WorkerState]:
     return [w for w in workers if w.role == "decode" and not w.assigned]
-
-
-def _decode_sharing(fleet: Fleet, tokens: int, sharing: npt.NDArray[np.int32]) -> WorkerState | None:
-    """``_decode_by_slot`` where decodes on some workers hold blocks of the prompt
-    (``sharing``: tokens by slot): there it needs that much less, and counts that much
-    less loaded."""
-    slots = fleet.slots("decode")
-    saved = sharing[slots]
-    load, budget = fleet.load[slots], fleet.budget[slots]
-    fits = (load == 0) | (load + tokens - saved <= budget)
-    if not fits.any():
-        return None
-    slots = slots[fits]
-    share = (load - saved)[fits] / np.maximum(1.0, budget[fits])
-    slots = slots[share == share.min()]
-    if len(slots) > 1:
-        running = fleet.running[slots]
-        slots = slots[running == running.min()]
-    return lowest_id(fleet, slots)
 
 
 class _IndexSlots:

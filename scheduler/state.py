@@ -109,10 +109,18 @@ class WorkerState:
     def assign_decode(self, request_id: str, tokens: int, keys: Sequence[int]) -> None:
         """Decode ``request_id`` here: ``tokens`` of KV on the ledger, less the prompt
         blocks (``keys``) a request decoding here already holds."""
+        self.assign(request_id, tokens)
+        self._share(request_id, keys)
+
+    def hold_decode(self, request_id: str, tokens: int, room: float, keys: Sequence[int]) -> None:
+        """``hold``, less the prompt blocks (``keys``) a decode held here already holds."""
+        self.hold(request_id, tokens, room)
+        self._share(request_id, keys)
+
+    def _share(self, request_id: str, keys: Sequence[int]) -> None:
         shared = self.shared
         if shared is None:
             shared = self.shared = SharedBlocks(self.block_size)
-        self.assign(request_id, tokens)
         fresh: list[int] = []
         saved = shared.add(request_id, keys, fresh)
         if saved:
@@ -127,12 +135,19 @@ class WorkerState:
         return shared.sharing(keys) if shared is not None else 0
 
     def _shift_saved(self, tokens: int) -> None:
-        """``tokens`` more of its ledger are shared blocks counted twice: that much less load."""
+        """``tokens`` more of its decodes' KV are shared blocks counted twice: that much less
+        on its decode ledger (a decode worker's ``load_tokens``, a colocated one's ``kv_tokens``)."""
         d = self.__dict__
-        load = d["load_tokens"] = d["load_tokens"] - tokens
         fleet = d["fleet"]
+        if d["role"] == "both":
+            kv = d["kv_tokens"] = d["kv_tokens"] - tokens
+            if fleet is not None:
+                fleet.kv[d["slot"]] = kv
+        else:
+            load = d["load_tokens"] = d["load_tokens"] - tokens
+            if fleet is not None:
+                fleet.load[d["slot"]] = load
         if fleet is not None:
-            fleet.load[d["slot"]] = load
             fleet.decode_saved += tokens
 
     def hold(self, request_id: str, tokens: int, room: float = math.inf) -> None:
@@ -162,12 +177,6 @@ class WorkerState:
                 slot = d["slot"]
                 fleet.load[slot] = load
                 fleet.running[slot] = len(assigned)
-            shared = d["shared"]
-            if shared is not None and request_id in shared:
-                gone: list[int] = []
-                self._shift_saved(-shared.remove(request_id, gone))  # its blocks others hold count once more
-                if gone and fleet is not None:
-                    fleet.hold_keys(d["slot"], gone, False)
         held = d["held"]
         if held:  # only a colocated worker holds decodes
             tokens = held.pop(request_id, None)
@@ -178,6 +187,13 @@ class WorkerState:
                     slot = d["slot"]
                     fleet.kv[slot] = kv
                     fleet.holding[slot] = len(held)
+        shared = d["shared"]
+        if shared is not None and request_id in shared:
+            gone: list[int] = []
+            self._shift_saved(-shared.remove(request_id, gone))  # its blocks others hold count once more
+            fleet = d["fleet"]
+            if gone and fleet is not None:
+                fleet.hold_keys(d["slot"], gone, False)
         edges = d["room_edges"]
         if edges:
             edge = edges.pop(request_id, math.inf)

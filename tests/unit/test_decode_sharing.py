@@ -3,6 +3,7 @@ decode placement and the worker's own room check all count it so (``SharedBlocks
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -200,3 +201,25 @@ def test_decodes_running_quick_share_a_worker() -> None:
 def test_the_peers_decode_whatever_the_time_per_token() -> None:
     placed, _ = _three_after(_slow_fleet("dynamo_kv"), 0.06)
     assert placed == ["d0", "d1", "d0"]
+
+
+# --- colocated workers -----------------------------------------------------------------------
+
+
+def test_a_lent_worker_holds_a_shared_prompt_once_and_takes_a_decode_sharing_it() -> None:
+    from switchyard.scheduler.lending import pick_decode
+    from tests.unit.test_lending import both, colocated_fleet
+
+    fleet = colocated_fleet(both("a"), both("b"))  # 10,000 KV tokens each
+    fleet.lend("b")
+    lent = fleet.workers["b"]
+    a, b = _spec("a", 1, max_tokens=2_750), _spec("b", 2, max_tokens=2_750)  # 3,350 KV tokens each
+    lent.hold_decode("a", 3_350, math.inf, a.block_keys)
+    lent.hold_decode("x", 3_350, math.inf, make_spec("x", prompt_len=600).block_keys)
+    assert pick_decode(fleet, 3_350, b) is lent  # 6,700 + 3,350 - 576: within 10,000
+    assert pick_decode(fleet, 3_350) is fleet.workers["a"]  # counted whole it would not fit
+    lent.hold_decode("b", 3_350, math.inf, b.block_keys)
+    assert lent.kv_tokens == 3 * 3_350 - 576 and fleet.kv[lent.slot] == lent.kv_tokens
+    lent.release("a")
+    assert lent.kv_tokens == 2 * 3_350
+    fleet.check_invariants()

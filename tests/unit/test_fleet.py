@@ -218,7 +218,7 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
     """Random fleets (slots reused, so slot order is not id order), loads and rates with
     many ties, caches on several tiers: the fleet's vector path places every request where
     the per-worker loop does, prefill (every policy) and decode; in C (``_native.c``) and
-    in numpy."""
+    in numpy; decode with the blocks decodes there share (``Fleet.decode_sharing``)."""
     print(f"seed={seed}")
     rng = random.Random(seed)
     roles: tuple[Role, ...] = ROLES if seed % 2 else ("prefill", "prefill", "decode")  # colocated or not
@@ -252,8 +252,11 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
                 worker.prefill_rate = rng.choice([8_000.0, 8_000.0, 7_500.0, 6_000.0])
                 worker.token_budget = rng.choice([600, 1_100, 100_000])
                 worker.filled_at = float(rng.choice([0, 3, 7]))  # which of the tied took content last
-                for rid in list(worker.held):
+                for rid in [*worker.held, *(r for r in worker.assigned if r.startswith("dec"))]:
                     worker.release(rid)
+                if worker.role == "decode" and rng.random() < 0.5:  # decodes sharing a prefix with the prompt
+                    prefix = rng.choice(prefixes)[: rng.randrange(1, 9)]
+                    worker.assign_decode(f"dec{i}", rng.choice([100, 900, 60_000]), prefix)
                 if worker.role == "both" and rng.random() < 0.5:  # its decodes' room: none to plenty
                     worker.placed_tokens += rng.choice([0, 30])
                     worker.hold(f"kv{i}", rng.choice([100, 1_500, 3_900]), rng.choice([math.inf, 0.0, 60.0, 200.0]))
