@@ -101,6 +101,8 @@ class DecodeRole:
             return self._offer_local(task, headers)
         if not isinstance(task, DecodeTask):
             return f"a decode worker takes no {type(task).__name__}"
+        if task.spec.request_id in self._streams:  # a task delivered twice: one stream
+            return "already decoding"
         if not self._has_room(task):
             return "no KV capacity"
         self._start(task, tracing.extract(headers))
@@ -133,6 +135,9 @@ class DecodeRole:
 
     def _offer_local(self, task: LocalTask, headers: dict[str, str]) -> str | None:
         """Prefill here, then decode here: the next serve iteration computes it."""
+        rid = task.spec.request_id
+        if rid in self._streams or rid in self._local:  # a task delivered twice: one stream
+            return "already decoding"
         if not self._has_room(task):
             return "no KV capacity"
         span = tracing.tracer().start_span("worker.local", context=tracing.extract(headers))

@@ -157,6 +157,14 @@ async def test_the_worker_takes_what_the_ledger_counts_and_gives_it_back() -> No
     assert role.offer(_task(c), {}) is None
 
 
+def test_a_task_delivered_twice_starts_one_decode() -> None:
+    role = DecodeRole(SimEngine(SimEngineConfig(), "d"), "d", 10_000)
+    a = _spec("a", 1)
+    assert role.offer(_task(a), {}) is None
+    assert role.offer(_task(a), {}) == "already decoding"
+    assert role.running() == 1 and role.inflight_tokens() == 610
+
+
 # --- decodes that run slow take no more -----------------------------------------------------
 
 
