@@ -43,8 +43,9 @@ class WorkerState:
     last_seen: float
     last_seq: int = -1
     assigned: dict[str, int] = field(default_factory=dict)  # request_id -> tokens
-    # A decode worker's ledger counts a prompt block that several of its decodes hold once,
-    # as its engine does (``assign_decode``): load_tokens = sum(assigned) - shared.saved.
+    # A decode ledger counts a prompt block that several of its decodes hold once, as the
+    # engine does (``assign_decode``, ``hold_decode``): a decode worker's load_tokens =
+    # sum(assigned) - shared.saved, a colocated worker's kv_tokens = sum(held) - shared.saved.
     shared: SharedBlocks | None = None
     load_tokens: int = 0
     # Uncached tokens/s it computes is ``prefill_rate``: out of a fleet this field; in one,
