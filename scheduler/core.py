@@ -139,6 +139,13 @@ _BUSY_SPARE_DECODING = 0.4
 # then the switchyard policy breaks ties by the KV a colocated worker decodes, least first
 # (``Fleet.decode_slack``; the note below ``policies._QUEUE_WEIGHT``).
 _DECODE_SLACK = 0.5
+# Decode workers whose finished decodes have run slower than this share of the TPOT SLO
+# lately (averaged over about ``1 / _DECODE_TPOT_WEIGHT`` decodes) take no new decode but on
+# an idle worker: prefilled requests wait, and new ones get 429 up front (``_decode_refusal``),
+# until the running decodes have finished faster. Their memory is no bound on their step
+# time: a step reads every sequence's KV, shared blocks each time (see ``SharedBlocks``).
+_DECODE_FULL = 0.9
+_DECODE_TPOT_WEIGHT = 0.05
 # Shortest first, while the prefill fleet is busy: from this busy share on, a worker that
 # hands its prompts over holds at most ``_HOLD_S`` of prefill at its rate (or one prompt,
 # alone: ``Fleet.fit_budget``), so the rest waits in the queue, where the prompts are in
@@ -147,13 +154,6 @@ _DECODE_SLACK = 0.5
 # them, and a long one waits for a worker to drain. Off on a fleet not busy lately, and for a
 # prompt the policy would place, unheld, on a worker that holds at least ``_HOLD_REUSE`` of
 # it: held from there it would go to an idle worker and recompute its prefix.
-# Decode workers whose finished decodes have run slower than this share of the TPOT SLO
-# lately (averaged over about ``1 / _DECODE_TPOT_WEIGHT`` decodes) take no new decode but on
-# an idle worker: prefilled requests wait, and new ones get 429 up front (``_decode_refusal``),
-# until the running decodes have finished faster. Their memory is no bound on their step
-# time: a step reads every sequence's KV, shared blocks each time (see ``SharedBlocks``).
-_DECODE_FULL = 0.9
-_DECODE_TPOT_WEIGHT = 0.05
 _HOLD_BUSY = 0.5
 _HOLD_REUSE = 0.5
 _HOLD_S = 0.15
