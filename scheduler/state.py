@@ -343,7 +343,10 @@ class Fleet:
         # Of the decode ledgers' sum of each decode's KV, the shared blocks counted twice
         # (``WorkerState.shared``): what decoding requests claim is that sum less this.
         self.decode_saved = 0
-        # Block key -> the slots whose decodes hold it, a bitset (``decode_sharing``).
+        # Block key -> the slots whose decodes hold it (``decode_sharing``): ``_held_by`` the
+        # slot where one alone does (most blocks: a conversation's own), ``_holding`` a bitset
+        # of the slots once two or more do (a system prompt, a shared document).
+        self._held_by: dict[int, int] = {}
         self._holding: dict[int, int] = {}
         # Seconds of prefill a worker that hands its prompts over may hold (``fit_budget``;
         # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
@@ -659,13 +662,17 @@ class Fleet:
         """By slot, the tokens of ``spec``'s prompt that decodes there already hold
         (``WorkerState.sharing`` for every worker at once, from the bitsets: whoever holds
         a block holds the ones before it); None where none holds its first block."""
-        keys, holding = spec.block_keys, self._holding
-        mask = holding.get(keys[0], 0) if keys else 0
+        keys, holding, held_by = spec.block_keys, self._holding, self._held_by
+        if not keys:
+            return None
+        first = held_by.get(keys[0])
+        mask = holding.get(keys[0], 0) if first is None else 1 << first
         if not mask:
             return None
         stopped: list[tuple[int, int]] = []  # (slots whose run ends at, blocks)
         for depth, key in enumerate(keys[1:], 1):
-            deeper = mask & holding.get(key, 0)
+            one = held_by.get(key)
+            deeper = mask & (holding.get(key, 0) if one is None else 1 << one)
             if deeper != mask:
                 stopped.append((mask & ~deeper, depth))
                 if not deeper:
@@ -676,18 +683,34 @@ class Fleet:
         return by_slot(stopped, len(self.ids)) * spec.block_size
 
     def hold_keys(self, slot: int, keys: list[int], held: bool) -> None:
-        """Decodes on ``slot`` hold ``keys`` from now on (``held``), or no longer do."""
-        holding, bit = self._holding, 1 << slot
+        """Decodes on ``slot`` hold ``keys`` from now on (``held``; none held them there), or
+        no longer do (none holds them there any more)."""
+        holding, held_by = self._holding, self._held_by
         if held:
             for key in keys:
-                holding[key] = holding.get(key, 0) | bit
-        else:
-            for key in keys:
-                mask = holding[key] & ~bit
-                if mask:
-                    holding[key] = mask
+                other = held_by.pop(key, None)
+                if other is not None:
+                    holding[key] = 1 << other | 1 << slot
+                elif key in holding:
+                    holding[key] |= 1 << slot
                 else:
-                    del holding[key]
+                    held_by[key] = slot
+            return
+        for key in keys:
+            if held_by.get(key) == slot:
+                del held_by[key]
+                continue
+            mask = holding[key] & ~(1 << slot)
+            if mask & (mask - 1):
+                holding[key] = mask
+            else:  # one holder left
+                del holding[key]
+                held_by[key] = mask.bit_length() - 1
+
+    def holders(self, key: int) -> int:
+        """The slots whose decodes hold ``key``, a bitset."""
+        one = self._held_by.get(key)
+        return self._holding.get(key, 0) if one is None else 1 << one
 
     def fits_held(self, worker: WorkerState, tokens: int) -> bool:
         """Whether ``tokens`` more fit ``worker`` within ``fit_budget`` (the ledger check of
@@ -749,7 +772,9 @@ class Fleet:
         for w in self.workers.values():
             for key in w.shared.held() if w.shared is not None else ():
                 holding[key] = holding.get(key, 0) | 1 << w.slot
-        assert holding == self._holding
+        assert holding == {key: self.holders(key) for key in [*self._held_by, *self._holding]}
+        assert not set(self._held_by) & set(self._holding)
+        assert all(mask & (mask - 1) for mask in self._holding.values())  # two or more holders
         assert set(self.shared_rate) == set(self.roles.elements()), self.shared_rate
         for role, n in self.roles.items():
             if n:
