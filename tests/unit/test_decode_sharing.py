@@ -8,10 +8,11 @@ import random
 
 import pytest
 
+from switchyard.scheduler import FailStream
 from switchyard.schemas import DecodeTask, PromptUsage, SharedBlocks, SimKvHandle
 from switchyard.workers.decode import DecodeRole
 from switchyard.workers.sim import SimEngine, SimEngineConfig
-from tests.support.factories import BLOCK_SIZE, make_spec, prefill_done, prompt_of, request_finished
+from tests.support.factories import BLOCK_SIZE, make_spec, prefill_done, prompt_of, request_finished, worker_leaving
 from tests.unit.test_decode_role import RecordingBus, _run
 from tests.unit.test_scheduler_core import Harness, cluster, dispatched
 
@@ -130,6 +131,14 @@ def test_a_cancelled_or_lost_decode_gives_back_what_it_alone_held() -> None:
     assert h.load("d0") == 610
     h.cancel("a")
     assert h.load("d0") == 0
+    # A worker lost with shared decodes on it takes its count of them along (the harness
+    # checks the fleet's totals and holders after every step).
+    c, d = _spec("c", 3), _spec("d", 4)
+    _prefilled(h, c), _prefilled(h, d)
+    assert h.core.fleet.decode_saved == 576
+    failed = h.event(worker_leaving("d0"))
+    assert sorted(f.request_id for f in failed if isinstance(f, FailStream)) == ["c", "d"]
+    assert h.core.fleet.decode_saved == 0 and h.core.fleet.decode_sharing(_spec("e", 5)) is None
 
 
 # --- the worker ------------------------------------------------------------------------
