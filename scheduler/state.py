@@ -662,17 +662,13 @@ class Fleet:
         """By slot, the tokens of ``spec``'s prompt that decodes there already hold
         (``WorkerState.sharing`` for every worker at once, from the bitsets: whoever holds
         a block holds the ones before it); None where none holds its first block."""
-        keys, holding, held_by = spec.block_keys, self._holding, self._held_by
-        if not keys:
-            return None
-        first = held_by.get(keys[0])
-        mask = holding.get(keys[0], 0) if first is None else 1 << first
+        keys, holders = spec.block_keys, self.holders
+        mask = holders(keys[0]) if keys else 0
         if not mask:
             return None
         stopped: list[tuple[int, int]] = []  # (slots whose run ends at, blocks)
         for depth, key in enumerate(keys[1:], 1):
-            one = held_by.get(key)
-            deeper = mask & (holding.get(key, 0) if one is None else 1 << one)
+            deeper = mask & holders(key)
             if deeper != mask:
                 stopped.append((mask & ~deeper, depth))
                 if not deeper:
