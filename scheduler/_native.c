@@ -806,6 +806,305 @@ done:
     return result;
 }
 
+/* --- decodes' shared blocks ------------------------------------------------------------ */
+
+/* share_add(refs, keys, fresh) -> shared
+ *
+ * ``SharedBlocks.add``'s loop: each key's count in the dict ``refs`` goes up by one; the
+ * keys already counted are the shared ones (how many, returned), the others are appended
+ * to ``fresh`` (a list, or None). */
+static PyObject *share_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *refs, *keys, *fresh;
+    if (parse_args(args, nargs, "share_add", "OOO", &refs, &keys, &fresh) < 0) return NULL;
+    if (!PyDict_Check(refs) || (fresh != Py_None && !PyList_Check(fresh))) {
+        PyErr_SetString(PyExc_TypeError, "share_add(dict, keys, list or None)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    long long shared = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        PyObject *count = PyDict_GetItemWithError(refs, key); /* borrowed */
+        long c = 0;
+        if (count) {
+            c = PyLong_AsLong(count);
+            if (c == -1 && PyErr_Occurred()) goto fail;
+        } else if (PyErr_Occurred()) {
+            goto fail;
+        }
+        if (c) shared++;
+        else if (fresh != Py_None && PyList_Append(fresh, key) < 0) goto fail;
+        PyObject *next = PyLong_FromLong(c + 1);
+        if (!next) goto fail;
+        int rc = PyDict_SetItem(refs, key, next);
+        Py_DECREF(next);
+        if (rc < 0) goto fail;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromLongLong(shared);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* share_remove(refs, keys, gone) -> dropped
+ *
+ * ``SharedBlocks.remove``'s loop: each key's count goes down by one (KeyError for a key
+ * not counted); a key still counted after is one no longer counted twice (how many,
+ * returned), a key at 0 leaves ``refs`` and is appended to ``gone`` (a list, or None). */
+static PyObject *share_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *refs, *keys, *gone;
+    if (parse_args(args, nargs, "share_remove", "OOO", &refs, &keys, &gone) < 0) return NULL;
+    if (!PyDict_Check(refs) || (gone != Py_None && !PyList_Check(gone))) {
+        PyErr_SetString(PyExc_TypeError, "share_remove(dict, keys, list or None)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    long long dropped = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        PyObject *count = PyDict_GetItemWithError(refs, key);
+        if (!count) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+            goto fail;
+        }
+        long c = PyLong_AsLong(count);
+        if (c == -1 && PyErr_Occurred()) goto fail;
+        if (c - 1) {
+            PyObject *next = PyLong_FromLong(c - 1);
+            if (!next) goto fail;
+            int rc = PyDict_SetItem(refs, key, next);
+            Py_DECREF(next);
+            if (rc < 0) goto fail;
+            dropped++;
+        } else {
+            Py_INCREF(key); /* the dict may hold the only other reference */
+            int rc = PyDict_DelItem(refs, key);
+            if (rc == 0 && gone != Py_None) rc = PyList_Append(gone, key);
+            Py_DECREF(key);
+            if (rc < 0) goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    return PyLong_FromLongLong(dropped);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* 1 << slot, a new reference. */
+static PyObject *bit_of(long slot) {
+    PyObject *one = PyLong_FromLong(1), *at = PyLong_FromLong(slot), *bit = NULL;
+    if (one && at) bit = PyNumber_Lshift(one, at);
+    Py_XDECREF(one);
+    Py_XDECREF(at);
+    return bit;
+}
+
+/* hold_keys(held_by, holding, slot, keys, held) -> None
+ *
+ * ``Fleet.hold_keys``: decodes on ``slot`` hold ``keys`` from now on (``held``), or no
+ * longer do. ``held_by``: key -> the one slot holding it; ``holding``: key -> a bitset
+ * (int) of the slots, once two or more hold it. */
+static PyObject *hold_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *held_by, *holding, *keys;
+    int slot, held;
+    if (parse_args(args, nargs, "hold_keys", "OOiOp", &held_by, &holding, &slot, &keys, &held) < 0) return NULL;
+    if (!PyDict_Check(held_by) || !PyDict_Check(holding) || slot < 0) {
+        PyErr_SetString(PyExc_TypeError, "hold_keys(dict, dict, slot >= 0, keys, held)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!seq) return NULL;
+    PyObject *bit = bit_of(slot), *slot_obj = PyLong_FromLong(slot), *others = NULL;
+    PyObject *result = NULL;
+    if (!bit || !slot_obj || !(others = PyNumber_Invert(bit))) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        PyObject *one = PyDict_GetItemWithError(held_by, key); /* borrowed */
+        if (!one && PyErr_Occurred()) goto done;
+        if (held) {
+            PyObject *mask = NULL;
+            if (one) {
+                long other = PyLong_AsLong(one);
+                if (other == -1 && PyErr_Occurred()) goto done;
+                PyObject *obit = bit_of(other);
+                if (!obit) goto done;
+                mask = PyNumber_Or(obit, bit);
+                Py_DECREF(obit);
+                if (!mask || PyDict_DelItem(held_by, key) < 0) {
+                    Py_XDECREF(mask);
+                    goto done;
+                }
+            } else {
+                PyObject *was = PyDict_GetItemWithError(holding, key);
+                if (was) mask = PyNumber_Or(was, bit);
+                else if (PyErr_Occurred()) goto done;
+                else if (PyDict_SetItem(held_by, key, slot_obj) < 0) goto done;
+                else continue;
+                if (!mask) goto done;
+            }
+            int rc = PyDict_SetItem(holding, key, mask);
+            Py_DECREF(mask);
+            if (rc < 0) goto done;
+            continue;
+        }
+        if (one) {
+            long only = PyLong_AsLong(one);
+            if (only == -1 && PyErr_Occurred()) goto done;
+            if (only == slot) {
+                if (PyDict_DelItem(held_by, key) < 0) goto done;
+                continue;
+            }
+        }
+        PyObject *was = PyDict_GetItemWithError(holding, key);
+        if (!was) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+            goto done;
+        }
+        PyObject *mask = PyNumber_And(was, others);
+        if (!mask) goto done;
+        size_t bits = _PyLong_NumBits(mask);
+        PyObject *low = bits ? bit_of((long)bits - 1) : NULL; /* mask is this bit alone? */
+        int several = low ? PyObject_RichCompareBool(mask, low, Py_NE) : 0;
+        Py_XDECREF(low);
+        if (several < 0 || (bits && !low)) {
+            Py_DECREF(mask);
+            goto done;
+        }
+        int rc;
+        if (several) {
+            rc = PyDict_SetItem(holding, key, mask);
+        } else { /* one holder left */
+            PyObject *last = PyLong_FromLong((long)bits - 1);
+            Py_INCREF(key);
+            rc = last ? PyDict_DelItem(holding, key) : -1;
+            if (rc == 0) rc = PyDict_SetItem(held_by, key, last);
+            Py_DECREF(key);
+            Py_XDECREF(last);
+        }
+        Py_DECREF(mask);
+        if (rc < 0) goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(seq);
+    Py_XDECREF(bit);
+    Py_XDECREF(slot_obj);
+    Py_XDECREF(others);
+    return result;
+}
+
+/* The slots holding ``key`` (``Fleet.holders``), a new reference: an int bitset. */
+static PyObject *holders_of(PyObject *held_by, PyObject *holding, PyObject *key) {
+    PyObject *one = PyDict_GetItemWithError(held_by, key);
+    if (one) {
+        long slot = PyLong_AsLong(one);
+        return slot == -1 && PyErr_Occurred() ? NULL : bit_of(slot);
+    }
+    if (PyErr_Occurred()) return NULL;
+    PyObject *mask = PyDict_GetItemWithError(holding, key);
+    if (mask) return Py_NewRef(mask);
+    return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+}
+
+/* out[slot] = value for each slot in the bitset ``mask`` (``index.by_slot``'s step). */
+static int set_bits(PyObject *mask, int32_t *out, Py_ssize_t n, int32_t value) {
+    size_t bits = _PyLong_NumBits(mask);
+    if (bits == (size_t)-1 && PyErr_Occurred()) return -1;
+    if ((Py_ssize_t)bits > n) {
+        PyErr_SetString(PyExc_OverflowError, "a holder past the fleet's slots");
+        return -1;
+    }
+    unsigned char stack[512], *bytes = stack;
+    size_t len = (bits + 7) / 8;
+    if (len > sizeof stack && !(bytes = PyMem_Malloc(len))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    int rc = _PyLong_AsByteArray((PyLongObject *)mask, bytes, len, 1, 0, 1);
+#else
+    int rc = _PyLong_AsByteArray((PyLongObject *)mask, bytes, len, 1, 0);
+#endif
+    if (rc == 0)
+        for (size_t i = 0; i < bits; i++)
+            if (bytes[i >> 3] >> (i & 7) & 1) out[i] = value;
+    if (bytes != stack) PyMem_Free(bytes);
+    return rc;
+}
+
+/* decode_sharing(held_by, holding, keys, block_size, out) -> bool
+ *
+ * ``Fleet.decode_sharing`` into the int32 array ``out`` (zeroed, a slot each): for each
+ * slot, the tokens of the prompt with these block keys that decodes there hold, its
+ * leading blocks held there times ``block_size``. False (``out`` untouched) where none
+ * holds its first block. */
+static PyObject *decode_sharing(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *held_by, *holding, *keys, *o_out;
+    int block_size;
+    if (parse_args(args, nargs, "decode_sharing", "OOOiO", &held_by, &holding, &keys, &block_size, &o_out) < 0)
+        return NULL;
+    if (!PyDict_Check(held_by) || !PyDict_Check(holding)) {
+        PyErr_SetString(PyExc_TypeError, "decode_sharing(dict, dict, keys, block_size, out)");
+        return NULL;
+    }
+    Buffers b = {.n = 0};
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence"), *mask = NULL, *result = NULL;
+    Py_ssize_t nslots;
+    int32_t *out;
+    if (!seq || !(out = take(&b, o_out, 4, 1, &nslots))) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (!n || !(mask = holders_of(held_by, holding, items[0]))) goto maybe_none;
+    int any = PyObject_IsTrue(mask);
+    if (any < 0) goto done;
+    if (!any) goto maybe_none;
+    Py_ssize_t depth = 1;
+    for (; depth < n; depth++) {
+        PyObject *h = holders_of(held_by, holding, items[depth]);
+        if (!h) goto done;
+        PyObject *deeper = PyNumber_And(mask, h);
+        Py_DECREF(h);
+        if (!deeper) goto done;
+        int differs = PyObject_RichCompareBool(deeper, mask, Py_NE);
+        if (differs < 0) {
+            Py_DECREF(deeper);
+            goto done;
+        }
+        if (differs) {
+            PyObject *inverse = PyNumber_Invert(deeper), *stopped = inverse ? PyNumber_And(mask, inverse) : NULL;
+            Py_XDECREF(inverse);
+            int rc = stopped ? set_bits(stopped, out, nslots, (int32_t)(depth * block_size)) : -1;
+            Py_XDECREF(stopped);
+            int none = rc < 0 ? -1 : !PyObject_IsTrue(deeper);
+            Py_SETREF(mask, deeper);
+            if (none < 0) goto done;
+            if (none) break;
+        } else {
+            Py_DECREF(deeper);
+        }
+    }
+    if (depth == n && set_bits(mask, out, nslots, (int32_t)(n * block_size)) < 0) goto done;
+    result = Py_NewRef(Py_True);
+    goto done;
+maybe_none:
+    if (!PyErr_Occurred()) result = Py_NewRef(Py_False);
+done:
+    release(&b);
+    Py_XDECREF(seq);
+    Py_XDECREF(mask);
+    return result;
+}
+
 #define FAST(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
 
 static PyMethodDef methods[] = {
@@ -814,6 +1113,10 @@ static PyMethodDef methods[] = {
     {"unset", FAST(unset), "PrefixIndex._unset over keys, stopping for Python."},
     {"choose_prefill", FAST(choose_prefill), "switchyard's prefill choice over the fleet's arrays."},
     {"choose_decode", FAST(choose_decode), "The decode pick over the fleet's arrays."},
+    {"share_add", FAST(share_add), "SharedBlocks.add's loop over a dict of counts."},
+    {"share_remove", FAST(share_remove), "SharedBlocks.remove's loop over a dict of counts."},
+    {"hold_keys", FAST(hold_keys), "Fleet.hold_keys: which slots' decodes hold each key."},
+    {"decode_sharing", FAST(decode_sharing), "Fleet.decode_sharing into an int32 array by slot."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,6 @@
 # The C module's signatures (scheduler/_native.c says what each does).
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import numpy.typing as npt
@@ -86,3 +87,9 @@ def choose_prefill(
 def choose_decode(
     load: Buffer, budget: Buffer, running: Buffer, rank: Buffer, slots: Buffer, tokens: int, saved: Buffer | None
 ) -> int: ...
+def share_add(refs: dict[int, int], keys: Sequence[int], fresh: list[int] | None) -> int: ...
+def share_remove(refs: dict[int, int], keys: Sequence[int], gone: list[int] | None) -> int: ...
+def hold_keys(held_by: dict[int, int], holding: dict[int, int], slot: int, keys: Sequence[int], held: bool) -> None: ...
+def decode_sharing(
+    held_by: dict[int, int], holding: dict[int, int], keys: Sequence[int], block_size: int, out: Buffer
+) -> bool: ...

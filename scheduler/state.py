@@ -29,9 +29,38 @@ import numpy as np
 import numpy.typing as npt
 
 from switchyard.scheduler.index import by_slot
+from switchyard.scheduler.native import native as _native
 from switchyard.schemas import LoadReport, PrefillDone, RequestSpec, Role, SharedBlocks
 
 Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]  # "prefill" covers a local task too
+
+
+class LedgerBlocks(SharedBlocks):
+    """``SharedBlocks`` for the core's ledger, whose loops over a prompt's keys run in C
+    (``_native.share_add``, ``share_remove``: the same counts) where it was built: the core
+    adds and removes every decode's keys, a worker only its own few."""
+
+    __slots__ = ()
+    native = _native is not None  # False: the Python loops (tests compare)
+
+    def add(self, request_id: str, keys: Sequence[int], fresh: list[int] | None = None) -> int:
+        if not self.native:
+            return super().add(request_id, keys, fresh)
+        assert request_id not in self._keys, request_id
+        shared = _native.share_add(self._refs, keys, fresh) * self.block_size
+        self._keys[request_id] = keys
+        self.saved += shared
+        return shared
+
+    def remove(self, request_id: str, gone: list[int] | None = None) -> int:
+        if not self.native:
+            return super().remove(request_id, gone)
+        keys = self._keys.pop(request_id, None)
+        if keys is None:
+            return 0
+        dropped = _native.share_remove(self._refs, keys, gone) * self.block_size
+        self.saved -= dropped
+        return dropped
 
 
 @dataclass
@@ -121,7 +150,7 @@ class WorkerState:
     def _share(self, request_id: str, keys: Sequence[int]) -> None:
         shared = self.shared
         if shared is None:
-            shared = self.shared = SharedBlocks(self.block_size)
+            shared = self.shared = LedgerBlocks(self.block_size)
         fresh: list[int] = []
         saved = shared.add(request_id, keys, fresh)
         if saved:
@@ -348,6 +377,7 @@ class Fleet:
         # of the slots once two or more do (a system prompt, a shared document).
         self._held_by: dict[int, int] = {}
         self._holding: dict[int, int] = {}
+        self.native = _native is not None  # those two's upkeep and walk in C; False: in Python
         # Seconds of prefill a worker that hands its prompts over may hold (``fit_budget``;
         # 0: its whole budget), set by the core's SLO-aware queueing while the fleet is busy.
         self.hold_s = 0.0
@@ -663,6 +693,10 @@ class Fleet:
         (``WorkerState.sharing`` for every worker at once, from the bitsets: whoever holds
         a block holds the ones before it); None where none holds its first block."""
         keys, holders = spec.block_keys, self.holders
+        if self.native:
+            out = np.zeros(len(self.ids), dtype=np.int32)
+            found = _native.decode_sharing(self._held_by, self._holding, keys, spec.block_size, out)
+            return out if found else None
         mask = holders(keys[0]) if keys else 0
         if not mask:
             return None
@@ -682,6 +716,9 @@ class Fleet:
         """Decodes on ``slot`` hold ``keys`` from now on (``held``; none held them there), or
         no longer do (none holds them there any more)."""
         holding, held_by = self._holding, self._held_by
+        if self.native:
+            _native.hold_keys(held_by, holding, slot, keys, held)
+            return
         if held:
             for key in keys:
                 other = held_by.pop(key, None)

@@ -12,7 +12,7 @@ import pytest
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.index import PrefixIndex
 from switchyard.scheduler.placement import Placer
-from switchyard.scheduler.state import Fleet, Tracked, WorkerState
+from switchyard.scheduler.state import Fleet, LedgerBlocks, Tracked, WorkerState
 from switchyard.schemas import KvSnapshot, Role
 from tests.support.factories import BLOCK_SIZE, make_spec
 
@@ -214,7 +214,9 @@ def test_a_role_is_fixed() -> None:
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
 @pytest.mark.parametrize("seed", range(6))
-def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, native: bool) -> None:
+def test_placement_from_the_arrays_is_the_placement_from_the_workers(
+    seed: int, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Random fleets (slots reused, so slot order is not id order), loads and rates with
     many ties, caches on several tiers: the fleet's vector path places every request where
     the per-worker loop does, prefill (every policy) and decode; in C (``_native.c``) and
@@ -227,6 +229,8 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(seed: int, 
         assert index.native, "scheduler/_native.c did not build: `make install` (it needs a C compiler)"
     index.native = native
     fleet = Fleet()
+    fleet.native = native  # the decodes' shared blocks too
+    monkeypatch.setattr(LedgerBlocks, "native", native)
     ids = [f"w{i:02d}" for i in range(40)]
     rng.shuffle(ids)
     for wid in ids:

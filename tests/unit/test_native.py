@@ -4,16 +4,21 @@ placements (``test_fleet.py`` runs its placement comparison both ways too)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from array import array
+from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 
 from switchyard.scheduler.index import PrefixIndex
 from switchyard.scheduler.native import native
+from switchyard.scheduler.state import Fleet, LedgerBlocks, WorkerState
 from switchyard.schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, KvSnapshot
+from tests.support.factories import make_spec
 
 TIERS = ("device", "device", "host", "disk", "cluster")
 
@@ -184,3 +189,109 @@ def test_a_lookup_writes_only_the_slots_it_was_given() -> None:
                 index._keys, index._stamp, index._holder, index._tiers, index._shift, index._rows.masks, past, [5], 0,
                 blocks, device,
             )  # fmt: skip
+
+
+# --- decodes' shared blocks (``LedgerBlocks``, ``Fleet.hold_keys``, ``Fleet.decode_sharing``) ---
+
+
+def _decode_fleet(c: bool) -> Fleet:
+    fleet = Fleet()
+    fleet.native = c
+    for i in range(70):  # past 64 slots: holder bitsets of more than one word
+        fleet.add(WorkerState(worker_id=f"d{i:02d}", role="decode", token_budget=10**9, block_size=4, last_seen=0.0))
+    return fleet
+
+
+@contextlib.contextmanager
+def _loops_in_c(c: bool) -> Iterator[None]:
+    """The ledger's shared-block loops in C or in Python (a class setting), for a while."""
+    was = LedgerBlocks.native
+    LedgerBlocks.native = c
+    try:
+        yield
+    finally:
+        LedgerBlocks.native = was
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_shared_blocks_kept_in_c_are_the_ones_kept_in_python(seed: int) -> None:
+    """Decodes starting and ending at random on 70 decode workers, and workers leaving
+    and coming back with their decodes: in C and in Python the same counts per worker,
+    the same holders of each key, the same saved tokens, and the same shared tokens by
+    slot for random prompts (keys chained down a small tree, so prefixes are shared)."""
+    require_native()
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    fleets = {c: _decode_fleet(c) for c in (True, False)}
+    live: dict[str, str] = {}  # request -> worker
+
+    def prompt() -> list[int]:
+        keys, node = [], 0
+        for _ in range(rng.randrange(1, 9)):
+            node = node * 3 + rng.randrange(1, 4)
+            keys.append(node)
+        return keys
+
+    for step in range(3_000):
+        roll = rng.random()
+        if live and roll < 0.4:
+            rid = rng.choice(sorted(live))
+            wid = live.pop(rid)
+            for c, fleet in fleets.items():
+                with _loops_in_c(c):
+                    fleet.workers[wid].release(rid)
+        elif roll < 0.42:  # a worker leaves with its decodes, and comes back empty
+            wid = f"d{rng.randrange(70):02d}"
+            live = {r: w for r, w in live.items() if w != wid}
+            for fleet in fleets.values():
+                gone = fleet.remove(wid)
+                assert gone is not None
+                fleet.add(WorkerState(worker_id=wid, role="decode", token_budget=10**9, block_size=4, last_seen=0.0))
+        else:
+            rid, wid, keys = f"r{step}", f"d{rng.randrange(70):02d}", prompt()
+            live[rid] = wid
+            for c, fleet in fleets.items():
+                with _loops_in_c(c):
+                    fleet.workers[wid].assign_decode(rid, 4 * len(keys) + 10, keys)
+        c_fleet, py_fleet = fleets[True], fleets[False]
+        assert c_fleet._held_by == py_fleet._held_by, seed
+        assert c_fleet._holding == py_fleet._holding, seed
+        assert c_fleet.decode_saved == py_fleet.decode_saved, seed
+        spec = make_spec(f"q{step}", prompt_len=4)
+        spec = msgspec.structs.replace(spec, block_keys=prompt(), block_size=4)
+        ours, theirs = c_fleet.decode_sharing(spec), py_fleet.decode_sharing(spec)
+        assert (ours is None) == (theirs is None), seed
+        if ours is not None and theirs is not None:
+            assert ours.tolist() == theirs.tolist(), seed
+    for fleet in fleets.values():
+        fleet.check_invariants()
+    for wid, worker in fleets[True].workers.items():
+        other = fleets[False].workers[wid]
+        assert (worker.shared and worker.shared._refs) == (other.shared and other.shared._refs)
+        assert (worker.shared and worker.shared.saved) == (other.shared and other.shared.saved)
+
+
+def test_bad_arguments_to_the_shared_block_loops_are_errors_not_crashes() -> None:
+    require_native()
+    with pytest.raises(TypeError, match="share_add"):
+        native.share_add([], [1], None)
+    with pytest.raises(TypeError, match="sequence"):
+        native.share_add({}, 5, None)
+    with pytest.raises(KeyError):  # a key never counted
+        native.share_remove({1: 1}, [1, 2], None)
+    with pytest.raises(TypeError, match="hold_keys"):
+        native.hold_keys({}, [], 0, [1], True)
+    with pytest.raises(KeyError):  # no slot holds it
+        native.hold_keys({}, {}, 3, [9], False)
+    with pytest.raises(TypeError, match="items of 4 bytes"):
+        native.decode_sharing({1: 0}, {}, [1], 16, np.zeros(4))
+    with pytest.raises(OverflowError, match="past the fleet"):  # a holder beyond the array
+        native.decode_sharing({1: 9}, {}, [1], 16, np.zeros(4, dtype=np.int32))
+    out = np.zeros(4, dtype=np.int32)
+    assert native.decode_sharing({}, {}, [1], 16, out) is False and not out.any()
+    assert native.decode_sharing({}, {}, [], 16, out) is False
+    refs: dict[int, int] = {}
+    fresh: list[int] = []
+    assert native.share_add(refs, (5, 6, 5), fresh) == 1 and refs == {5: 2, 6: 1} and fresh == [5, 6]
+    gone: list[int] = []
+    assert native.share_remove(refs, [5, 6], gone) == 1 and refs == {5: 1} and gone == [6]
