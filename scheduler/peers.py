@@ -109,6 +109,14 @@ class SglangCacheAware:
     - Ties (their map's iteration order) go to the lowest worker id.
     - The newest ``cache_aware.rs`` we read (commit 053b63f) sends a miss to the least
       loaded worker instead of the smallest tree: ``miss="least_load"``.
+
+    Decode workers (``choose_decode``): in PD mode the gateway picks the decode worker
+    with its decode policy, which is the same ``cache_aware`` when none is given
+    (``prefill_policy`` and ``decode_policy`` default to None: ``pd_router.rs``,
+    ``router_args.py``), over the decode workers' own trees: the same three branches, with
+    requests in flight counted on the decode worker (its decodes). The gateway picks both
+    workers when the request arrives; here the decode worker is picked once the prefill is
+    done, among those with room (the core's ledger).
     """
 
     name: ClassVar[str] = "sglang_cache_aware"
@@ -131,6 +139,11 @@ class SglangCacheAware:
         chosen = self._pick(request, candidates, view)
         self.trees.insert(chosen.worker_id, request.spec.block_keys, view.block_size)
         return chosen
+
+    def choose_decode(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        """The decode worker, by the same policy over the decode workers (trees are per
+        worker, so theirs are their own)."""
+        return self.choose(request, candidates, view)
 
     def _pick(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         least = min(candidates, key=lambda w: (requests_in_flight(w), w.worker_id))
@@ -180,6 +193,15 @@ class DynamoKv:
     - Ties (random among the minima in Dynamo) go to the lowest worker id.
     - The newer terms of ``selector.rs`` (overlap credit and its decay, host and disk hit
       weights, prefill load scale, an active-request weight) are not reproduced.
+
+    Decode workers (``choose_decode``): in disaggregated serving Dynamo's frontend routes
+    the request to a decode worker with this same KV router, active blocks tracked, over
+    the decode workers' KV events (``docs/design_docs/disagg_serving.md``; the decode
+    worker then has a prefill worker chosen): the lowest ``overlap_weight * blocks of the
+    prompt not cached there + active blocks with this prompt's``, so a decode goes where
+    its prompt already is unless that worker holds more active blocks than the transfer
+    would cost. Dynamo routes the decode worker first, when the request arrives; here it
+    is picked once the prefill is done, among the decode workers with room.
     """
 
     name: ClassVar[str] = "dynamo_kv"
@@ -207,6 +229,20 @@ class DynamoKv:
         if best.role != "prefill":
             self._track(best, request)
         return best
+
+    def choose_decode(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        for worker in candidates:
+            self._forget_finished(worker)
+        best = min(candidates, key=lambda w: (self.decode_logit(w, request, view), w.worker_id))
+        self._track(best, request)
+        return best
+
+    def decode_logit(self, worker: WorkerState, request: Tracked, view: PlacementView) -> float:
+        """On a decode worker: nothing is waiting to be prefilled there (its ledger holds
+        the KV of its decodes), so the prefill term is the prompt's blocks it lacks."""
+        cached = view.device_blocks.get(worker.worker_id, 0) * view.block_size
+        prefill_blocks = max(0, request.prompt_tokens - cached) / view.block_size
+        return self.overlap_weight * prefill_blocks + self.decode_blocks(worker, request)
 
     def logit(self, worker: WorkerState, request: Tracked, view: PlacementView) -> float:
         return self.overlap_weight * self.prefill_blocks(worker, request, view) + self.decode_blocks(worker, request)
@@ -270,8 +306,13 @@ class Llmd:
       report one) and counted in our block keys, not its character-estimated token blocks;
       the prompt is not truncated (its newest default caps matching at 131,072 tokens).
     - The max-score picker's ties (shuffled in llm-d) go to the lowest worker id.
-    - With P/D llm-d picks the decode worker with this profile too; here it places the
-      prefill and decode placement is the core's own (``decode_cost``).
+    - Decode workers (``choose_decode``): with P/D, llm-d's decode pod is picked by this
+      same profile (its ``pd-profile-handler`` runs the decode profile first, then the
+      prefill one): the same scorers over the decode workers, the prefix index learning
+      what it sends there. Their queue (vLLM's waiting requests) is empty here, since
+      the core hands a decode only to a worker with room, so every decode worker's queue
+      score is 1; KV usage is the decode ledger over its capacity. llm-d picks the decode
+      pod when the request arrives; here it is picked once the prefill is done.
     """
 
     name: ClassVar[str] = "llmd"
@@ -284,6 +325,14 @@ class Llmd:
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
         scores = self.scores(request, candidates, view)
+        best = min(candidates, key=lambda w: (-scores[w.worker_id], w.worker_id))
+        self.record(best, request, view)
+        return best
+
+    def choose_decode(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
+        prefix = self.prefix_scores(request, candidates, view)
+        wp, wq, wk = self.weights
+        scores = {w.worker_id: wp * prefix[w.worker_id] + wq * 1.0 + wk * (1.0 - kv_usage(w)) for w in candidates}
         best = min(candidates, key=lambda w: (-scores[w.worker_id], w.worker_id))
         self.record(best, request, view)
         return best

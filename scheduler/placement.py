@@ -51,6 +51,9 @@ class Placer:
         # What the policy can do, looked up once (``prefill`` asks for every request).
         self._by_slot = hasattr(self.policy, "choose_slots")
         self._choose_native = getattr(self.policy, "choose_native", None)
+        # A peer's own decode routing (``peers.py``: each routes decode workers by its own
+        # scores, as in its P/D mode); other policies take the core's pick (``decode_cost``).
+        self._choose_decode = getattr(self.policy, "choose_decode", None)
 
     def prefill(
         self,
@@ -187,7 +190,8 @@ class Placer:
     ) -> WorkerState | None:
         """Where a prefilled request decodes: of the decode workers it fits (its KV less
         the prompt blocks decodes there already hold, ``WorkerState.assign_decode``), the
-        least loaded once those blocks are taken off (``decode_cost``). ``idle_only``: of the
+        least loaded once those blocks are taken off (``decode_cost``); for a peer, the one
+        its own decode routing picks among them (``_peer_decode``). ``idle_only``: of the
         decode workers decoding nothing (the core's decodes run slow, ``_DECODE_FULL``)."""
         tokens, spec = request.decode_tokens, request.spec  # computed once, not once a worker
         if isinstance(workers, Fleet):
@@ -195,12 +199,26 @@ class Placer:
                 return pick_decode(workers, tokens, spec)  # colocated: handed over to a lent worker
             if idle_only:
                 return min(_idle_decode(workers.decode.values()), key=decode_cost, default=None)
-            return _decode_by_slot(workers, tokens, self.index.native, workers.decode_sharing(spec))
+            if self._choose_decode is None:
+                return _decode_by_slot(workers, tokens, self.index.native, workers.decode_sharing(spec))
+            workers = workers.decode.values()
         if idle_only:
             return min(_idle_decode(workers), key=decode_cost, default=None)
         decoding = [(w, w.sharing(shareable_keys(spec, w))) for w in workers if w.role == "decode"]
         fitting = [(w, saved) for w, saved in decoding if w.fits(tokens - saved)]
-        return min(fitting, key=lambda ws: decode_cost(*ws))[0] if fitting else None
+        if not fitting:
+            return None
+        if self._choose_decode is not None:
+            return self._peer_decode(request, [w for w, _ in fitting])
+        return min(fitting, key=lambda ws: decode_cost(*ws))[0]
+
+    def _peer_decode(self, request: Tracked, fitting: list[WorkerState]) -> WorkerState:
+        """A peer's decode routing among the decode workers that fit: its scores over what
+        the index says they cache (decode workers report the blocks handed to them)."""
+        blocks, device = self.index.match_counts(request.spec.block_keys, [w.worker_id for w in fitting])
+        view = self._view(request, blocks, device, math.inf)
+        chosen: WorkerState = self._choose_decode(request, fitting, view)  # type: ignore[misc]
+        return chosen
 
     def _bound(self, fitting: list[WorkerState], bound_worker: str | None, view: PlacementView) -> WorkerState | None:
         if bound_worker is None:

@@ -13,7 +13,7 @@ from switchyard.scheduler.index import WorkerMatch
 from switchyard.scheduler.peers import BlockLru, DynamoKv, Llmd, LlmdPrecise, SglangCacheAware
 from switchyard.scheduler.policies import POLICIES, PlacementView, Switchyard, decode_cost, make_policy
 from switchyard.scheduler.state import Tracked, WorkerState
-from switchyard.schemas import DecodeTask, Role
+from switchyard.schemas import DecodeTask, KvSnapshot, Role
 from tests.support.factories import load_report, make_spec, prefill_done, request_finished
 
 
@@ -248,6 +248,86 @@ def test_llmd_records_at_routing_time_and_precise_normalises_over_holders() -> N
     assert precise.prefix_scores(t, three, view({"a": (20, 20), "b": (60, 60)})) == {"a": 0.0, "b": 1.0, "c": 0.0}
     assert precise.prefix_scores(t, three, view({"a": (20, 20)})) == {"a": 1.0, "b": 0.0, "c": 0.0}
     assert precise.prefix_scores(t, three, view()) == {"a": 0.0, "b": 0.0, "c": 0.0}
+
+
+def decoder(wid: str, kv: int = 0, decodes: int = 0) -> WorkerState:
+    """A decode worker of 100,000 KV tokens with ``decodes`` running, ``kv`` tokens in all."""
+    return worker(wid, load=kv, requests=decodes, budget=100_000, role="decode")
+
+
+def test_dynamo_routes_a_decode_to_the_worker_that_holds_its_prompt_unless_its_active_blocks_cost_more() -> None:
+    """Dynamo's decode routing: the lowest (prompt blocks not cached there + active blocks
+    with this prompt's); a decode worker's ledger is KV, not prefill waiting."""
+    t, policy = routed(same_prompt()), DynamoKv()  # 100 blocks
+    a, b = decoder("a", kv=50_000, decodes=3), decoder("b")
+    held = view({"b": (0, 0), "a": (100, 100)})  # a holds the whole prompt on its device
+    assert policy.decode_logit(a, t, held) == 100.0  # nothing to pull, 0 active tracked + 100 new
+    assert policy.decode_logit(b, t, held) == 200.0  # 100 to pull + 100 new
+    assert policy.choose_decode(t, [a, b], held).worker_id == "a"  # the core's pick: b, the emptier
+    a.assign(t.spec.request_id, 1_600)
+    other = routed(same_prompt(seed=8))
+    # a now has t's 100 blocks active: other's 100 new + 100 active + 100 to pull = 300 > b's 200.
+    assert policy.choose_decode(other, [a, b], view()).worker_id == "b"
+    # Only the device tier counts as cached (a host copy would be pulled like any miss).
+    assert policy.decode_logit(b, other, view({"b": (0, 100)})) == 200.0
+
+
+def test_sglang_routes_decodes_by_its_decode_workers_trees_and_in_flight_requests() -> None:
+    t, policy = routed(same_prompt()), SglangCacheAware()
+    a, b = decoder("a", kv=2_000, decodes=5), decoder("b")
+    policy.trees.insert("prefill-0", t.spec.block_keys, 16)  # a prefill worker's tree is not a decode worker's
+    policy.trees.insert("a", make_spec(prompt_len=16 * 3).block_keys, 16)  # 3 other blocks
+    assert policy.choose_decode(t, [a, b], view()).worker_id == "b"  # a miss: the smaller tree
+    # The prompt went into b's tree at routing time: the next decode of it follows, though
+    # b's tree is now the larger.
+    assert policy.choose_decode(routed(same_prompt()), [a, b], view()).worker_id == "b"
+    # Out of balance by requests (70 decodes against 1): the fewest, tree or not.
+    busy = decoder("b", kv=7_000, decodes=70)
+    assert (
+        policy.choose_decode(routed(same_prompt()), [decoder("a", kv=90_000, decodes=1), busy], view()).worker_id == "a"
+    )
+
+
+def test_llmd_routes_decodes_by_prefix_and_kv_usage_with_every_queue_empty() -> None:
+    t = routed(same_prompt())
+    a, b = decoder("a", kv=60_000, decodes=2), decoder("b", kv=10_000, decodes=9)
+    # llm-d: prefix 3 x (1, 0) + queue 2 x (1, 1) + kv 2 x (0.4, 0.9): a 5.8, b 3.8.
+    policy = Llmd()
+    policy.index.insert("a", t.spec.block_keys, 16)
+    assert policy.choose_decode(t, [a, b], view()).worker_id == "a"
+    # Precise (2, 1, 1) from the decode workers' KV events: a holds 30 blocks, b none:
+    # a 2 + 1 + 0.4 = 3.4, b 0 + 1 + 0.9 = 1.9; with b holding 100 and a 30: a 1.4, b 3.9.
+    precise = LlmdPrecise()
+    assert precise.choose_decode(t, [a, b], view({"a": (30, 30)})).worker_id == "a"
+    assert precise.choose_decode(t, [a, b], view({"a": (30, 30), "b": (100, 100)})).worker_id == "b"
+    # Nothing cached anywhere: the emptier KV wins (running decodes are no queue).
+    assert precise.choose_decode(routed(same_prompt(seed=8)), [a, b], view()).worker_id == "b"
+    fresh = Llmd()
+    assert fresh.choose_decode(routed(same_prompt(seed=9)), [a, b], view()).worker_id == "b"
+    assert fresh.prefix_scores(routed(same_prompt(seed=9)), [a, b], view()) == {"a": 0.0, "b": 1.0}  # recorded
+
+
+@pytest.mark.parametrize("name", ["dynamo_kv", "llmd_precise"])
+def test_a_peer_decodes_where_its_prompt_is_held_where_the_core_would_pick_the_emptier(name: str) -> None:
+    """Through the core: a decode worker that holds the prompt (it decoded it before and
+    reported the blocks) takes the next decode of it under Dynamo's and llm-d's routing,
+    though another is emptier; ``least_tokens`` keeps the core's pick, the emptier."""
+    picks = {}
+    for policy in (name, "least_tokens"):
+        core, now = SchedulerCore(SchedulerConfig(policy=policy)), 0.0
+        core.on_event(load_report("p0", "prefill", budget=100_000, seq=1), now)
+        core.on_event(load_report("d0", "decode", budget=100_000, seq=1), now)
+        core.on_event(load_report("d1", "decode", budget=100_000, seq=1), now)
+        prompt = same_prompt(1_600)
+        spec = make_spec("first", prompt=prompt, max_tokens=10)
+        core.submit(spec, now)
+        d1 = core.workers["d1"]
+        d1.assign("other", 20_000)  # d1 decodes something else: d0 is the emptier
+        core.index.load_snapshot(KvSnapshot(worker_id="d1", seq=1, blocks={"device": spec.block_keys}))
+        actions = core.on_event(prefill_done(spec, "p0"), now)
+        decoded = [a.worker_id for a in actions if isinstance(a, Dispatch) and isinstance(a.task, DecodeTask)]
+        picks[policy] = decoded
+    assert picks == {name: ["d1"], "least_tokens": ["d0"]}
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
