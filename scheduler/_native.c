@@ -813,14 +813,21 @@ done:
  * ``SharedBlocks.add``'s loop: each key's count in the dict ``refs`` goes up by one; the
  * keys already counted are the shared ones (how many, returned), the others are appended
  * to ``fresh`` (a list, or None). */
-static PyObject *share_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *refs, *keys, *fresh;
-    if (parse_args(args, nargs, "share_add", "OOO", &refs, &keys, &fresh) < 0) return NULL;
-    if (!PyDict_Check(refs) || (fresh != Py_None && !PyList_Check(fresh))) {
-        PyErr_SetString(PyExc_TypeError, "share_add(dict, keys, list or None)");
+/* The arguments of share_add and share_remove, (refs, keys, out): the keys as a fast
+ * sequence (a new reference), or NULL with an error set. */
+static PyObject *count_args(PyObject *const *args, Py_ssize_t nargs, const char *name, PyObject **refs,
+                            PyObject **out) {
+    PyObject *keys;
+    if (parse_args(args, nargs, name, "OOO", refs, &keys, out) < 0) return NULL;
+    if (!PyDict_Check(*refs) || (*out != Py_None && !PyList_Check(*out))) {
+        PyErr_Format(PyExc_TypeError, "%s(dict, keys, list or None)", name);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    return PySequence_Fast(keys, "keys must be a sequence");
+}
+
+static PyObject *share_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *refs, *fresh, *seq = count_args(args, nargs, "share_add", &refs, &fresh);
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -856,13 +863,7 @@ fail:
  * not counted); a key still counted after is one no longer counted twice (how many,
  * returned), a key at 0 leaves ``refs`` and is appended to ``gone`` (a list, or None). */
 static PyObject *share_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *refs, *keys, *gone;
-    if (parse_args(args, nargs, "share_remove", "OOO", &refs, &keys, &gone) < 0) return NULL;
-    if (!PyDict_Check(refs) || (gone != Py_None && !PyList_Check(gone))) {
-        PyErr_SetString(PyExc_TypeError, "share_remove(dict, keys, list or None)");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *refs, *gone, *seq = count_args(args, nargs, "share_remove", &refs, &gone);
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
