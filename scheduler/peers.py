@@ -312,7 +312,10 @@ class Llmd:
       what it sends there. Their queue (vLLM's waiting requests) is empty here, since
       the core hands a decode only to a worker with room, so every decode worker's queue
       score is 1; KV usage is the decode ledger over its capacity. llm-d picks the decode
-      pod when the request arrives; here it is picked once the prefill is done.
+      pod when the request arrives; here it is picked once the prefill is done. Not
+      reproduced: its ``decider``, which skips the prefill pod when most of the prompt is
+      cached on the chosen decode pod (llm-d ``docs/architecture``, "EPP"): every request
+      here is prefilled on a prefill worker.
     """
 
     name: ClassVar[str] = "llmd"
