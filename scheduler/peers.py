@@ -314,7 +314,7 @@ class Llmd:
       score is 1; KV usage is the decode ledger over its capacity. llm-d picks the decode
       pod when the request arrives; here it is picked once the prefill is done. Not
       reproduced: its ``decider``, which skips the prefill pod when most of the prompt is
-      cached on the chosen decode pod (llm-d ``docs/architecture``, "EPP"): every request
+      cached on the chosen decode pod (the P/D flow of llm-d's architecture docs): every request
       here is prefilled on a prefill worker.
     """
 
