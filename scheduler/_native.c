@@ -808,11 +808,6 @@ done:
 
 /* --- decodes' shared blocks ------------------------------------------------------------ */
 
-/* share_add(refs, keys, fresh) -> shared
- *
- * ``SharedBlocks.add``'s loop: each key's count in the dict ``refs`` goes up by one; the
- * keys already counted are the shared ones (how many, returned), the others are appended
- * to ``fresh`` (a list, or None). */
 /* The arguments of share_add and share_remove, (refs, keys, out): the keys as a fast
  * sequence (a new reference), or NULL with an error set. */
 static PyObject *count_args(PyObject *const *args, Py_ssize_t nargs, const char *name, PyObject **refs,
@@ -826,6 +821,11 @@ static PyObject *count_args(PyObject *const *args, Py_ssize_t nargs, const char 
     return PySequence_Fast(keys, "keys must be a sequence");
 }
 
+/* share_add(refs, keys, fresh) -> shared
+ *
+ * ``SharedBlocks.add``'s loop: each key's count in the dict ``refs`` goes up by one; the
+ * keys already counted are the shared ones (how many, returned), the others are appended
+ * to ``fresh`` (a list, or None). */
 static PyObject *share_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *refs, *fresh, *seq = count_args(args, nargs, "share_add", &refs, &fresh);
     if (!seq) return NULL;

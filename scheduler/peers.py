@@ -240,17 +240,20 @@ class DynamoKv:
     def decode_logit(self, worker: WorkerState, request: Tracked, view: PlacementView) -> float:
         """On a decode worker: nothing is waiting to be prefilled there (its ledger holds
         the KV of its decodes), so the prefill term is the prompt's blocks it lacks."""
-        cached = view.device_blocks.get(worker.worker_id, 0) * view.block_size
-        prefill_blocks = max(0, request.prompt_tokens - cached) / view.block_size
+        prefill_blocks = self.lacking_tokens(worker, request, view) / view.block_size
         return self.overlap_weight * prefill_blocks + self.decode_blocks(worker, request)
 
     def logit(self, worker: WorkerState, request: Tracked, view: PlacementView) -> float:
         return self.overlap_weight * self.prefill_blocks(worker, request, view) + self.decode_blocks(worker, request)
 
+    @classmethod
+    def prefill_blocks(cls, worker: WorkerState, request: Tracked, view: PlacementView) -> float:
+        return (worker.load_tokens + cls.lacking_tokens(worker, request, view)) / view.block_size
+
     @staticmethod
-    def prefill_blocks(worker: WorkerState, request: Tracked, view: PlacementView) -> float:
-        cached = view.device_blocks.get(worker.worker_id, 0) * view.block_size
-        return (worker.load_tokens + max(0, request.prompt_tokens - cached)) / view.block_size
+    def lacking_tokens(worker: WorkerState, request: Tracked, view: PlacementView) -> int:
+        """The prompt's tokens the worker's device does not hold (Dynamo's new tokens)."""
+        return max(0, request.prompt_tokens - view.device_blocks.get(worker.worker_id, 0) * view.block_size)
 
     def decode_blocks(self, worker: WorkerState, request: Tracked) -> int:
         if worker.role == "prefill":
@@ -327,15 +330,16 @@ class Llmd:
         self.index = BlockLru(capacity_tokens=31_250 * 16)
 
     def choose(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
-        scores = self.scores(request, candidates, view)
-        best = min(candidates, key=lambda w: (-scores[w.worker_id], w.worker_id))
-        self.record(best, request, view)
-        return best
+        return self._pick(request, candidates, self.scores(request, candidates, view), view)
 
     def choose_decode(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> WorkerState:
-        prefix = self.prefix_scores(request, candidates, view)
-        wp, wq, wk = self.weights
-        scores = {w.worker_id: wp * prefix[w.worker_id] + wq * 1.0 + wk * (1.0 - kv_usage(w)) for w in candidates}
+        empty = dict.fromkeys((w.worker_id for w in candidates), 1.0)  # no decode pod has a queue
+        return self._pick(request, candidates, self.scores(request, candidates, view, empty), view)
+
+    def _pick(
+        self, request: Tracked, candidates: list[WorkerState], scores: dict[str, float], view: PlacementView
+    ) -> WorkerState:
+        """The max-score picker (ties to the lowest id); the index learns the choice."""
         best = min(candidates, key=lambda w: (-scores[w.worker_id], w.worker_id))
         self.record(best, request, view)
         return best
@@ -344,8 +348,16 @@ class Llmd:
         """The approximate index learns at routing time (llm-d's ``PreRequest``)."""
         self.index.insert(worker.worker_id, request.spec.block_keys, view.block_size)
 
-    def scores(self, request: Tracked, candidates: list[WorkerState], view: PlacementView) -> dict[str, float]:
-        prefix, queue = self.prefix_scores(request, candidates, view), queue_scores(candidates)
+    def scores(
+        self,
+        request: Tracked,
+        candidates: list[WorkerState],
+        view: PlacementView,
+        queue: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Each candidate's weighted sum; ``queue``: its queue scores, if not ``queue_scores``."""
+        prefix = self.prefix_scores(request, candidates, view)
+        queue = queue_scores(candidates) if queue is None else queue
         wp, wq, wk = self.weights
         return {
             w.worker_id: wp * prefix[w.worker_id] + wq * queue[w.worker_id] + wk * (1.0 - kv_usage(w))
