@@ -232,11 +232,13 @@ class Ingress:
         if status is None:
             return JSONResponse({"status": "unavailable", "reason": "no scheduler answers"}, 503)
         roles = [w.role for w in status.workers]
+        colocated = roles.count("both")  # a colocated worker prefills and decodes
         body = {
             "status": "ok",
             "model": self.model,
-            "prefill_workers": roles.count("prefill"),
-            "decode_workers": roles.count("decode"),
+            "prefill_workers": roles.count("prefill") + colocated,
+            "decode_workers": roles.count("decode") + colocated,
+            "colocated_workers": colocated,
             "queued_requests": status.queued_requests,
             "in_flight_requests": len(self.router),
         }

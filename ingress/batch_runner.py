@@ -90,7 +90,7 @@ def has_headroom(status: ClusterStatus | None, config: BatchRunnerConfig) -> boo
     if status.queued_requests > config.headroom_queued_requests or status.queued_tokens > config.headroom_queued_tokens:
         return False
     for role in ("prefill", "decode"):
-        workers = [w for w in status.workers if w.role == role and w.token_budget > 0]
+        workers = [w for w in status.workers if w.role in (role, "both") and w.token_budget > 0]
         budget = sum(w.token_budget for w in workers)
         if budget and sum(w.inflight_tokens for w in workers) > (1 - config.headroom_free_budget) * budget:
             return False

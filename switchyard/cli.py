@@ -3,7 +3,7 @@
     switchyard up            the whole stack on this machine (private nats-server)
     switchyard ingress       the HTTP API
     switchyard scheduler     admission and placement
-    switchyard worker        a prefill or decode worker (--role, --engine)
+    switchyard worker        a prefill, decode or colocated worker (--role, --engine)
     switchyard batch-runner  runs batch lines while the fleet has headroom
     switchyard config show   the effective configuration of every service, and its sources
     switchyard keys ...      API keys for --auth keys: create, list, revoke
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("up", "run the whole stack on this machine"),
         ("ingress", "the OpenAI-compatible HTTP API"),
         ("scheduler", "admission and placement"),
-        ("worker", "a prefill or decode worker"),
+        ("worker", "a prefill, decode or colocated worker"),
         ("batch-runner", "runs batch lines (the Batch API, JobSubmit) while the fleet has headroom"),
     ):
         add_command_flags(sub.add_parser(name, help=help_), name)

@@ -60,8 +60,16 @@ class UpConfig(ConfigStruct, frozen=True, kw_only=True):
 
     nats: Annotated[str, setting("NATS server URL (default: start a private nats-server)")] = ""
     engine: Annotated[Literal["sim", "vllm"], setting("the workers' engine: sim (a cost model) or vllm")] = "sim"
-    prefill: Annotated[int, setting("prefill workers", gt=0)] = 1
-    decode: Annotated[int, setting("decode workers", gt=0)] = 1
+    prefill: Annotated[int, setting("prefill workers", ge=0)] = 1
+    decode: Annotated[int, setting("decode workers", ge=0)] = 1
+    colocated: Annotated[
+        int,
+        setting(
+            "colocated workers (role both: each prefills and decodes; with a TPOT SLO the scheduler lends some "
+            "to decoding). A fleet of only colocated workers takes --prefill 0 --decode 0",
+            ge=0,
+        ),
+    ] = 0
     schedulers: Annotated[
         int, setting("scheduler replicas: one active (it holds the lease), the others standing by", gt=0)
     ] = 1
@@ -106,6 +114,14 @@ class UpConfig(ConfigStruct, frozen=True, kw_only=True):
             "restart; default: $XDG_DATA_HOME/switchyard, else ~/.local/share/switchyard"
         ),
     ] = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.colocated and not (self.prefill and self.decode):
+            raise ValueError(
+                f"a fleet needs a prefill and a decode worker, or colocated ones "
+                f"(got --prefill {self.prefill} --decode {self.decode} --colocated 0)"
+            )
 
 
 # The service each command runs, and the tree that configures it.

@@ -91,7 +91,10 @@ def plan(sources: Sources) -> Plan:
     replicas = up_cfg.config.schedulers
     names = ["scheduler"] if replicas == 1 else [f"scheduler-{i}" for i in range(replicas)]
     children = [_child(name, "scheduler", sources, scheduler) for name in names]
-    for role, count in (("prefill", up_cfg.config.prefill), ("decode", up_cfg.config.decode)):
+    counts = (("prefill", up_cfg.config.prefill), ("decode", up_cfg.config.decode), ("both", up_cfg.config.colocated))
+    for role, count in counts:
+        if not count:
+            continue
         worker = settings.resolve(
             WorkerConfig, sources, "worker", defaults=defaults, fixed=fixed | {"role": role, "engine": engine}
         )

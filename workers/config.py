@@ -16,7 +16,7 @@ from switchyard.workers.vllm_config import VllmEngineConfig
 class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
     nats_url: NatsUrl = DEFAULT_NATS_URL
     nats_client: NatsClient = NatsClientConfig()
-    role: Annotated[Role, setting("prefill or decode")]
+    role: Annotated[Role, setting("prefill, decode, or both (colocated: it prefills and decodes)")]
     # The model's name on the bus; the CLI fills in the tokenizer's when none is given.
     model: Annotated[
         str, setting("the model's name on the bus (default: its directory's)", flag="served-model-name")
@@ -26,7 +26,10 @@ class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
     worker_id: Annotated[str, setting("this worker's id on the bus (default: generated)")] = ""
     block_size: Annotated[int, setting("the engine's KV block size; default: 16 (sim), 32 (vllm)", gt=0)] = 16
     token_budget: Annotated[
-        int, setting("prefill: prompt tokens accepted in flight; decode: KV tokens held (prompt + max_tokens)", gt=0)
+        int,
+        setting(
+            "prefill: prompt tokens accepted in flight; decode and both: KV tokens held (prompt + max_tokens)", gt=0
+        ),
     ] = 65_536
     report_interval_s: Annotated[float, setting("seconds between heartbeats (load reports)", gt=0)] = 0.5
     device_class: Annotated[
@@ -46,8 +49,8 @@ class WorkerConfig(ConfigStruct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.engine == "vllm":
             if not self.model_path:
                 raise ValueError("the vllm engine needs model_path")

@@ -10,6 +10,12 @@ decode steps take 10-50 ms) shares one message among several steps, each request
 new tokens in one chunk: the bus and the ingress then see at most about a thousand
 messages a second per ingress, however fast the engine. A finished sequence, and the
 last step before the engine idles, are always sent at once.
+
+A colocated worker (role ``both``) is this role with ``prefills``: it prefills and decodes
+its own requests (``LocalTask``), and while the scheduler lends some colocated workers to
+decoding it also prefills for them (``PrefillTask``: token 0 to the client, then
+``PrefillDone`` with the KV handle once the KV can be found, as a prefill worker does) and,
+lent, decodes what the others hand over (``DecodeTask``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from switchyard.schemas import (
     DecodeTask,
     FinishReason,
     LocalTask,
+    PrefillDone,
     PrefillFailed,
     PrefillTask,
     RequestFinished,
@@ -35,7 +42,7 @@ from switchyard.schemas import (
     TokenLogprobs,
     WorkerTask,
 )
-from switchyard.workers.engine import DecodeEngine, StepOutput
+from switchyard.workers.engine import DecodeEngine, HandoffEngine, PrefillResult, StepOutput
 from switchyard.workers.handoff import first_token
 from switchyard.workers.kv_events import KvCacheView, NoKvCache
 from switchyard.workers.runtime import WorkerBus
@@ -68,18 +75,27 @@ class _Stream:
 
 class DecodeRole:
     def __init__(
-        self, engine: DecodeEngine, worker_id: str, token_budget: int, min_publish_interval_s: float = 0.001
+        self,
+        engine: DecodeEngine,
+        worker_id: str,
+        token_budget: int,
+        min_publish_interval_s: float = 0.001,
+        *,
+        prefills: bool = False,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.token_budget = token_budget
         self.min_publish_interval_s = min_publish_interval_s
+        self.prefills = prefills  # colocated: it also prefills for handoff (see the module's note)
         self._streams: dict[str, _Stream] = {}
         self._unsent: dict[str, _Stream] = {}  # streams with pending tokens, in step order
         self._last_publish = 0.0
-        self._local: dict[str, tuple[LocalTask, Span]] = {}  # local prefills not yet computed
+        # Prefills not yet computed: its own (``LocalTask``) and, colocated, for handoff (``PrefillTask``).
+        self._local: dict[str, tuple[LocalTask | PrefillTask, Span]] = {}
         self._wake = anyio.Event()
         self.kv_fallbacks = 0  # handed-over KV the engine did not find (it recomputed)
+        self.handed_off = 0  # colocated: prefills whose KV it handed to a lent worker
         # The prompt blocks its decodes share, counted once, as the engine's prefix cache holds
         # them and as the scheduler's ledger counts them (``SharedBlocks``).
         # One count per block size (blocks of two sizes never match).
@@ -91,13 +107,16 @@ class DecodeRole:
         return self.engine if isinstance(self.engine, KvCacheView) else NoKvCache()
 
     def inflight_tokens(self) -> int:
-        return self.held_tokens()
+        """The KV its decodes hold, and the prompts queued for handoff."""
+        return self.held_tokens() + sum(
+            len(task.spec.prompt_tokens) for task, _ in self._local.values() if isinstance(task, PrefillTask)
+        )
 
     def running(self) -> int:
         return self.engine.running
 
     def offer(self, task: WorkerTask, headers: dict[str, str]) -> str | None:
-        if isinstance(task, LocalTask):
+        if isinstance(task, LocalTask) or (self.prefills and isinstance(task, PrefillTask)):
             return self._offer_local(task, headers)
         if not isinstance(task, DecodeTask):
             return f"a decode worker takes no {type(task).__name__}"
@@ -133,14 +152,16 @@ class DecodeRole:
         )
         self._wake.set()
 
-    def _offer_local(self, task: LocalTask, headers: dict[str, str]) -> str | None:
-        """Prefill here, then decode here: the next serve iteration computes it."""
+    def _offer_local(self, task: LocalTask | PrefillTask, headers: dict[str, str]) -> str | None:
+        """Prefill here, then decode here (``LocalTask``) or hand the KV off (``PrefillTask``):
+        the next serve iteration computes it."""
         rid = task.spec.request_id
         if rid in self._streams or rid in self._local:  # a task delivered twice: one stream
             return "already decoding"
-        if not self._has_room(task):
+        if isinstance(task, LocalTask) and not self._has_room(task):  # a handoff's KV leaves with its decode
             return "no KV capacity"
-        span = tracing.tracer().start_span("worker.local", context=tracing.extract(headers))
+        name = "worker.local" if isinstance(task, LocalTask) else "worker.prefill"
+        span = tracing.tracer().start_span(name, context=tracing.extract(headers))
         span.set_attribute("switchyard.worker_id", self.worker_id)
         self._local[task.spec.request_id] = (task, span)
         self._wake.set()
@@ -177,9 +198,13 @@ class DecodeRole:
                 await self._publish(bus)
 
     async def _prefill_local(self, bus: WorkerBus) -> None:
-        """Prefill every waiting local task in one batch; token 0 out, then into the batch."""
+        """Prefill every waiting task in one batch; token 0 out, then each local one into the
+        decode batch and each handoff's ``PrefillDone`` out once its KV can be found."""
         jobs, self._local = list(self._local.values()), {}
-        tasks = [PrefillTask(spec=task.spec, queued_s=task.queued_s) for task, _ in jobs]
+        tasks = [
+            task if isinstance(task, PrefillTask) else PrefillTask(spec=task.spec, queued_s=task.queued_s)
+            for task, _ in jobs
+        ]
         try:
             results = await self.engine.prefill(tasks)
         except Exception as exc:  # an engine failure fails these requests, not the worker
@@ -192,9 +217,15 @@ class DecodeRole:
                     )
                 )
             return
+        handoffs: list[tuple[PrefillTask, PrefillResult, PrefillDone]] = []
         for (task, span), prefill, result in zip(jobs, tasks, results, strict=True):
             chunk, done = first_token(self.worker_id, prefill, result)
+            span.set_attribute("switchyard.cached_tokens", result.cached_tokens)
             await bus.stream(task.spec.ingress_id, [chunk])
+            if isinstance(task, PrefillTask):
+                handoffs.append((task, result, done))
+                span.end()
+                continue
             await bus.event(done)
             if not done.finished:  # its room was checked when it was offered
                 decode = DecodeTask(
@@ -202,6 +233,12 @@ class DecodeRole:
                 )
                 self._start(decode, trace.set_span_in_context(span))
             span.end()
+        if handoffs and isinstance(self.engine, HandoffEngine):
+            # The client has its first token; the lent worker decodes once the KV can be found.
+            await self.engine.wait_handoff([t for t, _, _ in handoffs], [r for _, r, _ in handoffs])
+        for _, _, done in handoffs:
+            await bus.event(done)
+        self.handed_off += len(handoffs)
 
     def _absorb(self, outputs: list[StepOutput]) -> bool:
         """Queue each output token on its stream; True when a sequence finished."""

@@ -22,6 +22,12 @@ def build_worker(config: WorkerConfig) -> WorkerRuntime:
     role: Role
     if config.role == "prefill":
         role = PrefillRole(engine, config.worker_id, config.token_budget)
-    else:
-        role = DecodeRole(engine, config.worker_id, config.token_budget, config.min_publish_interval_s)
+    else:  # decode, or both (colocated: it prefills too)
+        role = DecodeRole(
+            engine,
+            config.worker_id,
+            config.token_budget,
+            config.min_publish_interval_s,
+            prefills=config.role == "both",
+        )
     return WorkerRuntime(config, role)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -64,6 +65,31 @@ def test_up_serves_and_stops_cleanly(stop_signal):
         assert not alive, [p.cmdline() for p in alive]
     finally:
         if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_runs_a_colocated_fleet():
+    """--colocated: workers of role both, no prefill or decode ones; the stack serves."""
+    port = procs.free_port()
+    proc = _start_up(port, "--prefill", "0", "--decode", "0", "--colocated", "2", "--tpot-slo-s", "0.05")
+    try:
+        _wait_ready_line(proc, 60)
+        names = " ".join(" ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True))
+        assert names.count("--child both-") == 2 and "--child prefill-" not in names and "--child decode-" not in names
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model="switchyard-sim", max_tokens=6, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        finishes = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["length"]
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+        assert (health["prefill_workers"], health["decode_workers"], health["colocated_workers"]) == (2, 2, 2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
 

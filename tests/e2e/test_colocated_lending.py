@@ -1,0 +1,69 @@
+"""A colocated fleet (workers of role ``both``) over the real bus, through the real HTTP API.
+
+Each worker prefills and decodes its own requests; with a TPOT SLO the scheduler lends one
+to decoding when decodes run slow, and the others then prefill for it and hand their KV
+over (``PrefillTask`` on a colocated worker). Every request must still complete whole.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import openai
+
+from switchyard.scheduler.config import SchedulerConfig
+from switchyard.schemas import PrefillTask
+from switchyard.workers.decode import DecodeRole
+from switchyard.workers.sim import SimCostModel, SimEngine, SimEngineConfig
+from tests.support.factories import make_spec
+from tests.support.stack import MODEL, running_stack, wait_until, worker_config
+
+# Decode steps of 20 ms against a 10 ms TPOT SLO: decodes run slow from the first one.
+SLOW_DECODE = SimCostModel(prefill_per_token_s=0.0001, decode_step_base_s=0.02)
+TOKENS = 12
+
+
+def test_only_a_colocated_worker_prefills_for_handoff() -> None:
+    """A decode worker (kv_consumer under vLLM) cannot hand KV off; a colocated one can."""
+    engine = SimEngine(SimEngineConfig(), "w")
+    task = PrefillTask(spec=make_spec("r1", prompt_len=40), queued_s=0.0)
+    assert DecodeRole(engine, "w", 4096).offer(task, {}) == "a decode worker takes no PrefillTask"
+    colocated = DecodeRole(engine, "w", 4096, prefills=True)
+    assert colocated.offer(task, {}) is None
+    assert colocated.inflight_tokens() == 40  # the queued prompt counts until it is handed off
+    assert colocated.offer(task, {}) == "already decoding"  # delivered twice: computed once
+    colocated.cancel("r1")
+    assert colocated.inflight_tokens() == 0
+
+
+def test_colocated_fleet_lends_a_worker_and_loses_nothing(nats) -> None:
+    sched = SchedulerConfig(worker_expiry_s=1.0, ttft_slo_s=5.0, tpot_slo_s=0.01)
+    with running_stack(nats.url, prefill=0, decode=0, scheduler=sched) as stack:
+        workers = [stack.add_worker(worker_config(nats.url, "both", SLOW_DECODE)) for _ in range(3)]
+        health = stack.wait_healthy(3, 3)
+        assert health["colocated_workers"] == 3
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30)
+
+        def ask(i: int) -> tuple[str, int, str]:
+            stream = client.completions.create(
+                model=MODEL, prompt=f"wagon {i} " * 30, max_tokens=TOKENS, stream=True, temperature=0
+            )
+            text, finish = "", None
+            for chunk in stream:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            done = client.completions.create(model=MODEL, prompt=f"wagon {i} " * 30, max_tokens=TOKENS, temperature=0)
+            assert done.usage is not None
+            return text, done.usage.completion_tokens, str(finish) + "/" + str(done.choices[0].finish_reason)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(ask, range(24)))
+        core = stack.scheduler.core
+        assert core._lending.lent_total >= 1, "slow decodes lent no worker"
+        assert sum(w.role.handed_off for w in workers) > 0, "no colocated worker prefilled for a lent one"
+        for text, completion, finishes in results:
+            assert finishes == "length/length"
+            assert completion == TOKENS
+            assert text  # the streamed copy came whole too (the sim's text is its tokens')
+        assert wait_until(lambda: all(w.role.running() == 0 and w.role.inflight_tokens() == 0 for w in workers))
+        assert wait_until(lambda: all(w.inflight_tokens == 0 for w in core.status().workers))
