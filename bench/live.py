@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=PEERS_AND_SWITCHYARD, help="comma-separated; one live stack each")
     p.add_argument("--prefill", type=int, default=4, help="prefill workers (as bench sim)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (as bench sim)")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="the same number of workers, each of role both (prefill and decode; as bench sim)",
+    )
     p.add_argument("--limit", type=int, default=400, help="the first N requests of the trace")
     p.add_argument("--time-scale", type=float, default=0.1, help="live seconds per trace second")
     p.add_argument(
@@ -149,9 +154,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, bound: float) -> dict:
-    shape = FleetShape(args.prefill, args.decode, False, args.cache_blocks)
-    result = replay(requests, ReplaySettings(policy=policy, shape=shape, cost=cost, ttft_slo_s=args.ttft_slo_s))
-    summary = summarize(result, bound, "disaggregated", args.ttft_slo_s, args.tpot_slo_s)
+    shape = FleetShape(args.prefill, args.decode, args.colocated, args.cache_blocks)
+    settings = ReplaySettings(
+        policy=policy, shape=shape, cost=cost, ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s
+    )
+    summary = summarize(replay(requests, settings), bound, _mode(args), args.ttft_slo_s, args.tpot_slo_s)
     return {k: v for k, v in summary.items() if not k.endswith("_samples_s")} | {
         "ttft_samples_s": summary.get("ttft_samples_s", [])
     }
@@ -160,7 +167,13 @@ def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, b
 # --- the live run --------------------------------------------------------------------------------
 
 
+def _mode(args) -> str:
+    return "colocated" if args.colocated else "disaggregated"
+
+
 def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost: CostModel, args) -> dict:
+    workers = args.prefill + args.decode
+    fleet = {"prefill": 0, "decode": 0, "colocated": workers} if args.colocated else {}
     with ExitStack() as stack:
         server = stack.enter_context(procs.nats_server())
         live = bench_stack.start(
@@ -171,9 +184,11 @@ def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost:
             # the SLO the scheduler keeps (the switchyard policy's queueing), in live time
             "--ttft-slo-s",
             f"{args.ttft_slo_s * scaling.time:g}",
+            # and the time per output token (colocated workers lent to decoding), in live time
+            "--tpot-slo-s",
+            f"{args.tpot_slo_s * scaling.time * scaling.tokens:g}",
             *worker_flags(cost, scaling, args.cache_blocks),
-            prefill=args.prefill,
-            decode=args.decode,
+            **({"prefill": args.prefill, "decode": args.decode} | fleet),
         )
         samples = anyio.run(replay_http, live.url, requests, scaling)
     return summarize_live(policy, requests, samples, scaling, args)

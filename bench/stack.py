@@ -44,20 +44,20 @@ def start(
     *up_flags: str,
     prefill: int = 1,
     decode: int = 1,
+    colocated: int = 0,
     timeout_s: float = 60,
 ) -> Stack:
     """Every service of ``switchyard up <up_flags>`` on ``server``, healthy when it returns."""
     port = procs.free_port()
-    plan = up_plan(
-        "--port", str(port), "--log-level", "warning", "--prefill", str(prefill), "--decode", str(decode), *up_flags
-    )
+    fleet = ("--prefill", str(prefill), "--decode", str(decode), "--colocated", str(colocated))
+    plan = up_plan("--port", str(port), "--log-level", "warning", *fleet, *up_flags)
     processes = {}
     for child in plan.children:
         command, env = up_.child_spec(child, server.url)
         processes[child.name] = procs.spawn(command, env=env)
     stack.callback(procs.stop, list(reversed(processes.values())))
     started = Stack(port, processes | {"nats-server": server.process})
-    _wait_healthy(started.url, prefill, decode, timeout_s)
+    _wait_healthy(started.url, prefill + colocated, decode + colocated, timeout_s)
     return started
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from switchyard import procs
 from switchyard.bench.live import Scaling
 from switchyard.bench.traces import TraceRequest
@@ -36,7 +38,12 @@ def test_scaled_prompts_share_exactly_the_trace_prefixes() -> None:
     assert pa[:64] == pb[:64] and pa[64:69] != pb[64:69]  # two shared blocks of 32, then apart
 
 
-def test_bench_live_replays_through_the_stack_and_its_simulation(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("fleet", "policies"),
+    [((), ["least_tokens", "switchyard"]), (("--colocated",), ["switchyard"])],
+    ids=["disaggregated", "colocated"],
+)
+def test_bench_live_replays_through_the_stack_and_its_simulation(tmp_path, fleet, policies) -> None:
     trace = tmp_path / "tiny.jsonl"
     _trace(trace)
     out = tmp_path / "live"
@@ -52,10 +59,11 @@ def test_bench_live_replays_through_the_stack_and_its_simulation(tmp_path) -> No
             "2",
             "--decode",
             "1",
+            *fleet,
             "--time-scale",
             "0.05",
             "--policies",
-            "least_tokens,switchyard",
+            ",".join(policies),
         ),
         capture_output=True,
         text=True,
@@ -64,7 +72,7 @@ def test_bench_live_replays_through_the_stack_and_its_simulation(tmp_path) -> No
     )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads((out / "results.json").read_text())
-    assert [row["policy"] for row in rows] == ["least_tokens", "switchyard"]
+    assert [row["policy"] for row in rows] == policies
     for row in rows:
         live, sim = row["live"], row["sim"]
         assert live["completed"] == sim["completed"] == 24
