@@ -189,6 +189,9 @@ class DecodeRole:
             if self._local:
                 await self._prefill_local(bus)
             if not self.engine.running:
+                # What the prefills cached, even with nothing to decode (a colocated worker that
+                # only prefills for lent ones would otherwise never report it).
+                await bus.kv_changes()
                 continue
             await bus.kv_changes()  # blocks handed over or computed here since the last step
             finished = self._absorb(await self.engine.step())

@@ -170,3 +170,21 @@ async def test_a_worker_that_leaves_is_forgotten_by_the_index(nats):
         assert list(sched.core.index.match(spec.block_keys)) == [decode.config.worker_id]  # what stays
         assert sched.core.index.entries == len(_cache(decode))
         tg.cancel_scope.cancel()
+
+
+async def test_a_colocated_worker_that_only_hands_off_reports_its_blocks(nats):
+    """While one colocated worker is lent to decoding, the other only prefills for it
+    (``PrefillTask``) and decodes nothing: what those prefills cache still reaches the index."""
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url))
+    prefiller, lent = (build_worker(worker_config(nats.url, "both")) for _ in range(2))
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        for service in (sched, prefiller, lent):
+            await tg.start(service.run)
+        await _known(sched, prefiller, lent)
+        sched.core.fleet.lend(lent.config.worker_id)
+        specs = [_spec(f"r{i}", _prompt(i)) for i in range(3)]
+        await _run_requests(nc, sched, specs)
+        assert prefiller.role.handed_off == 3 and prefiller.role.running() == 0
+        await _wait(lambda: all(_device_blocks(sched, prefiller, s) == 11 for s in specs))
+        await _wait(lambda: _index_mirrors(sched, prefiller, lent))
+        tg.cancel_scope.cancel()
