@@ -1,0 +1,51 @@
+"""Real vLLM engines as colocated workers (role ``both``: ``switchyard up --prefill 0
+--decode 0 --colocated 2``), KV between them through a real Mooncake Store, through the
+real HTTP API.
+
+A TPOT SLO no CPU engine can keep (1 ms) makes the scheduler lend one worker to decoding
+after the first request; from then on the other prefills (``PrefillTask`` on a colocated
+worker, its connector role ``kv_both``) and hands the KV to the lent one. What the test
+proves, from the engines' own events rather than timing: every greedy output is one
+engine's output alone, requests were handed from one colocated engine to the other, and
+the lent engine loaded every whole block it was handed (it did not recompute).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from switchyard.schemas import PrefillDone
+from tests.support.stack import wait_until
+from tests.support.vllm_stack import BLOCK, MAX_TOKENS, UpStack, vllm_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def stack(module_nats, tmp_path_factory) -> UpStack:
+    log = tmp_path_factory.mktemp("vllm") / "up.log"
+    extra = ["--prefill", "0", "--decode", "0", "--colocated", "2", "--ttft-slo-s", "600", "--tpot-slo-s", "0.001"]
+    with vllm_stack(module_nats.url, log, kv_transfer="mooncake-store", extra=extra) as s:
+        yield s
+
+
+def test_colocated_engines_hand_off_and_keep_one_engines_greedy_output(stack, references, client, bus, tokenizer):
+    assert wait_until(lambda: [w.role for w in bus.status().workers] == ["both", "both"], 30)
+    handed: list[str] = []
+    for prompt, expected in zip(references["prompts"], references["outputs"], strict=True):
+        response = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        choice = response.choices[0]
+        assert choice.text == tokenizer.decode(expected["tokens"]), f"prompt of {len(prompt)} tokens"
+        assert choice.finish_reason == expected["finish_reason"]
+        if len(expected["tokens"]) < 2:
+            continue  # ended at token 0: nothing decoded
+        assert wait_until(lambda r=response: r.id in bus.finished(), 5), "no RequestFinished"
+        finished = bus.finished()[response.id]
+        prefilled = [e for e in bus.events if isinstance(e, PrefillDone) and e.request_id == response.id]
+        assert len(prefilled) == 1
+        if prefilled[0].worker_id != finished.worker_id:  # prefilled on one, decoded on the other
+            handed.append(response.id)
+            assert finished.kv_expected_tokens == len(prompt) // BLOCK * BLOCK  # of prompt + token 0
+            assert finished.kv_loaded_tokens == finished.kv_expected_tokens, "the lent engine recomputed"
+    # The first decode ran slower than the SLO: a worker was lent, and the rest were handed to it.
+    assert len(handed) >= len(references["prompts"]) - 2, handed
