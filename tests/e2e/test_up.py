@@ -85,11 +85,10 @@ def test_up_runs_a_colocated_fleet():
         assert finishes == ["length"]
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
         assert (health["prefill_workers"], health["decode_workers"], health["colocated_workers"]) == (2, 2, 2)
-    finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
 

@@ -56,8 +56,10 @@ def test_up_runs_three_regions_and_stops_them_all(tmp_path) -> None:
         us, eu = (
             openai.OpenAI(base_url=f"http://127.0.0.1:{port + i}/v1", api_key="unused", max_retries=0) for i in (0, 1)
         )
-        # Each ingress hears the others before the session moves
-        deadline = time.monotonic() + 30
+        # Each ingress hears the others before the session moves. Alone this takes a few seconds;
+        # under `make test` the other process may be booting two vLLM engines on the same two
+        # cores (58 s once), so the wait is for liveness, not speed.
+        deadline = time.monotonic() + 120
         while 'switchyard_region_alive{region="us"} 1.0' not in httpx.get(f"http://127.0.0.1:{port + 1}/metrics").text:
             assert time.monotonic() < deadline, "eu's ingress never heard us"
             time.sleep(0.2)

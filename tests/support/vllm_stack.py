@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -242,9 +243,10 @@ def settled_stats(bus: BusWatch, role: str, more_than: int = -1):
     raise AssertionError(f"{role} counters did not settle: {stats}")
 
 
-def assert_greedy_matches_reference(client, bus: BusWatch, tokenizer, references: dict) -> None:
-    """Every reference prompt through the stack: the same greedy text and finish as one
-    engine alone, and the decode engine loaded every whole block it was handed."""
+def greedy_decodes(client, bus: BusWatch, tokenizer, references: dict) -> Iterator[tuple[list[int], Any]]:
+    """Every reference prompt through the stack, checked to give the same greedy text and
+    finish as one engine alone; of those that decoded past token 0, the prompt and its
+    ``RequestFinished``."""
     from tests.support.stack import wait_until
 
     for prompt, expected in zip(references["prompts"], references["outputs"], strict=True):
@@ -255,6 +257,17 @@ def assert_greedy_matches_reference(client, bus: BusWatch, tokenizer, references
         if len(expected["tokens"]) < 2:
             continue  # ended at token 0: nothing was handed to decode
         assert wait_until(lambda r=response: r.id in bus.finished(), 5), "no RequestFinished"
-        finished = bus.finished()[response.id]
-        assert finished.kv_expected_tokens == len(prompt) // BLOCK * BLOCK  # of prompt + token 0
-        assert finished.kv_loaded_tokens == finished.kv_expected_tokens, "the decode engine recomputed"
+        yield prompt, bus.finished()[response.id]
+
+
+def assert_loaded(prompt: list[int], finished: Any) -> None:
+    """The decode engine loaded every whole block of the prompt it was handed."""
+    assert finished.kv_expected_tokens == len(prompt) // BLOCK * BLOCK  # of prompt + token 0
+    assert finished.kv_loaded_tokens == finished.kv_expected_tokens, "the decode engine recomputed"
+
+
+def assert_greedy_matches_reference(client, bus: BusWatch, tokenizer, references: dict) -> None:
+    """Every reference prompt through the stack: the same greedy text and finish as one
+    engine alone, and the decode engine loaded every whole block it was handed."""
+    for prompt, finished in greedy_decodes(client, bus, tokenizer, references):
+        assert_loaded(prompt, finished)
