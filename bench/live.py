@@ -158,7 +158,8 @@ def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, b
     settings = ReplaySettings(
         policy=policy, shape=shape, cost=cost, ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s
     )
-    summary = summarize(replay(requests, settings), bound, _mode(args), args.ttft_slo_s, args.tpot_slo_s)
+    mode = "colocated" if args.colocated else "disaggregated"
+    summary = summarize(replay(requests, settings), bound, mode, args.ttft_slo_s, args.tpot_slo_s)
     return {k: v for k, v in summary.items() if not k.endswith("_samples_s")} | {
         "ttft_samples_s": summary.get("ttft_samples_s", [])
     }
@@ -167,13 +168,10 @@ def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, b
 # --- the live run --------------------------------------------------------------------------------
 
 
-def _mode(args) -> str:
-    return "colocated" if args.colocated else "disaggregated"
-
-
 def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost: CostModel, args) -> dict:
-    workers = args.prefill + args.decode
-    fleet = {"prefill": 0, "decode": 0, "colocated": workers} if args.colocated else {}
+    fleet = {"prefill": args.prefill, "decode": args.decode}
+    if args.colocated:  # the same workers, each of role both
+        fleet = {"prefill": 0, "decode": 0, "colocated": args.prefill + args.decode}
     with ExitStack() as stack:
         server = stack.enter_context(procs.nats_server())
         live = bench_stack.start(
@@ -188,7 +186,7 @@ def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost:
             "--tpot-slo-s",
             f"{args.tpot_slo_s * scaling.time * scaling.tokens:g}",
             *worker_flags(cost, scaling, args.cache_blocks),
-            **({"prefill": args.prefill, "decode": args.decode} | fleet),
+            **fleet,
         )
         samples = anyio.run(replay_http, live.url, requests, scaling)
     return summarize_live(policy, requests, samples, scaling, args)

@@ -42,8 +42,8 @@ from switchyard.schemas import (
     TokenLogprobs,
     WorkerTask,
 )
-from switchyard.workers.engine import DecodeEngine, HandoffEngine, PrefillResult, StepOutput
-from switchyard.workers.handoff import first_token
+from switchyard.workers.engine import DecodeEngine, PrefillResult, StepOutput
+from switchyard.workers.handoff import announce, first_token
 from switchyard.workers.kv_events import KvCacheView, NoKvCache
 from switchyard.workers.runtime import WorkerBus
 
@@ -188,12 +188,11 @@ class DecodeRole:
                 await self._wake.wait()
             if self._local:
                 await self._prefill_local(bus)
+            # Blocks handed over or computed here since the last step, even with nothing to decode
+            # (a colocated worker that only prefills for lent ones would otherwise never report them).
+            await bus.kv_changes()
             if not self.engine.running:
-                # What the prefills cached, even with nothing to decode (a colocated worker that
-                # only prefills for lent ones would otherwise never report it).
-                await bus.kv_changes()
                 continue
-            await bus.kv_changes()  # blocks handed over or computed here since the last step
             finished = self._absorb(await self.engine.step())
             now = time.monotonic()
             if finished or not self.engine.running or now - self._last_publish >= self.min_publish_interval_s:
@@ -220,13 +219,17 @@ class DecodeRole:
                     )
                 )
             return
-        handoffs: list[tuple[PrefillTask, PrefillResult, PrefillDone]] = []
+        handed: list[PrefillTask] = []  # and their results and PrefillDones, for ``announce``
+        handed_results: list[PrefillResult] = []
+        handed_done: list[PrefillDone] = []
         for (task, span), prefill, result in zip(jobs, tasks, results, strict=True):
             chunk, done = first_token(self.worker_id, prefill, result)
             span.set_attribute("switchyard.cached_tokens", result.cached_tokens)
             await bus.stream(task.spec.ingress_id, [chunk])
             if isinstance(task, PrefillTask):
-                handoffs.append((task, result, done))
+                handed.append(task)
+                handed_results.append(result)
+                handed_done.append(done)
                 span.end()
                 continue
             await bus.event(done)
@@ -236,12 +239,9 @@ class DecodeRole:
                 )
                 self._start(decode, trace.set_span_in_context(span))
             span.end()
-        if handoffs and isinstance(self.engine, HandoffEngine):
-            # The client has its first token; the lent worker decodes once the KV can be found.
-            await self.engine.wait_handoff([t for t, _, _ in handoffs], [r for _, r, _ in handoffs])
-        for _, _, done in handoffs:
-            await bus.event(done)
-        self.handed_off += len(handoffs)
+        # The client has its first token; the lent worker decodes once the KV can be found.
+        await announce(bus, self.engine, handed, handed_results, handed_done)
+        self.handed_off += len(handed)
 
     def _absorb(self, outputs: list[StepOutput]) -> bool:
         """Queue each output token on its stream; True when a sequence finished."""

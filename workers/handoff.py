@@ -5,7 +5,8 @@ the prefill worker and for a decode worker prefilling a ``LocalTask`` itself."""
 from __future__ import annotations
 
 from switchyard.schemas import PrefillDone, PrefillTask, PromptUsage, StreamChunk
-from switchyard.workers.engine import PrefillResult
+from switchyard.workers.engine import HandoffEngine, PrefillEngine, PrefillResult
+from switchyard.workers.runtime import WorkerBus
 
 
 def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tuple[StreamChunk, PrefillDone]:
@@ -53,3 +54,18 @@ def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tup
         finished=reason is not None,
     )
     return chunk, done
+
+
+async def announce(
+    bus: WorkerBus,
+    engine: PrefillEngine,
+    tasks: list[PrefillTask],
+    results: list[PrefillResult],
+    done: list[PrefillDone],
+) -> None:
+    """Tell the scheduler of prefills whose decode runs elsewhere (``done``), once a
+    ``HandoffEngine`` says their KV can be found; their token 0 is out already."""
+    if done and isinstance(engine, HandoffEngine):
+        await engine.wait_handoff(tasks, results)
+    for event in done:
+        await bus.event(event)

@@ -18,8 +18,8 @@ from opentelemetry.trace import Span
 
 from switchyard.observability import tracing
 from switchyard.schemas import PrefillDone, PrefillFailed, PrefillTask, StreamChunk, WorkerTask
-from switchyard.workers.engine import HandoffEngine, PrefillEngine, PrefillResult
-from switchyard.workers.handoff import first_token
+from switchyard.workers.engine import PrefillEngine, PrefillResult
+from switchyard.workers.handoff import announce, first_token
 from switchyard.workers.kv_events import KvCacheView, NoKvCache
 from switchyard.workers.runtime import WorkerBus
 
@@ -134,11 +134,8 @@ class PrefillRole:
         # Token 0 reaches the ingress before the scheduler can start decode (same connection).
         for ingress_id, chunks in by_ingress.items():
             await bus.stream(ingress_id, chunks)
-        if done and isinstance(self.engine, HandoffEngine):
-            # The client has its first token; decode starts once the KV can be found.
-            await self.engine.wait_handoff([job.task for job in batch], results)
-        for event in done:
-            await bus.event(event)
+        # The client has its first token; decode starts once the KV can be found.
+        await announce(bus, self.engine, [job.task for job in batch], results, done)
 
     async def _fail(self, bus: WorkerBus, batch: list[_Job], message: str) -> None:
         for job in batch:
