@@ -251,6 +251,8 @@ class SimWorker:
         self._joining: list[_Joining] = []  # ready to decode from the next iteration on
         # (iteration it ends in, order, request id, its KV tokens then, tokens generated)
         self._finishing: list[tuple[int, int, str, int, int]] = []
+        self._stepping: list[str] = []  # joined in the iteration running now: its first step
+        self._first_step_at: dict[str, float] = {}  # when each sequence's first step ended
         self._order = 0
         self._iteration = 0
         self._running = 0
@@ -375,6 +377,9 @@ class SimWorker:
         # Outputs first, while still busy: dispatches they cause land in the next iteration.
         self._iteration += 1
         self._kv_tokens += self._running
+        for request_id in self._stepping:
+            self._first_step_at[request_id] = now
+        self._stepping.clear()
         done = self._advance_prompts()
         self._publish(now)
         for prompt in done:
@@ -431,6 +436,7 @@ class SimWorker:
             )
             self._running += 1
             self._kv_tokens += seq.context
+            self._stepping.append(seq.request_id)
         self._joining.clear()
 
     def _finish_sequences(self, now: float) -> None:
@@ -439,9 +445,15 @@ class SimWorker:
             _, _, request_id, final_kv, generated = heapq.heappop(finishing)
             self._running -= 1
             self._kv_tokens -= final_kv
+            steps = generated - 1  # its tokens after the first, one a step
+            first = self._first_step_at.pop(request_id)
             self._sink.worker_event(
                 RequestFinished(
-                    worker_id=self.worker_id, request_id=request_id, generated_tokens=generated, reason="length"
+                    worker_id=self.worker_id,
+                    request_id=request_id,
+                    generated_tokens=generated,
+                    reason="length",
+                    step_s=(now - first) / (steps - 1) if steps > 1 else 0.0,
                 ),
                 now,
             )

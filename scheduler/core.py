@@ -139,10 +139,10 @@ _BUSY_SPARE_DECODING = 0.4
 # then the switchyard policy breaks ties by the KV a colocated worker decodes, least first
 # (``Fleet.decode_slack``; the note below ``policies._QUEUE_WEIGHT``).
 _DECODE_SLACK = 0.5
-# Decode workers whose finished decodes have run slower than this share of the TPOT SLO
-# lately (averaged over about ``1 / _DECODE_TPOT_WEIGHT`` decodes) take no new decode but on
-# an idle worker: prefilled requests wait, and new ones get 429 up front (``_decode_refusal``),
-# until the running decodes have finished faster. Their memory is no bound on their step
+# Decode workers whose finished decodes have stepped slower than this share of the TPOT SLO
+# lately (their ``step_s``, averaged over about ``1 / _DECODE_TPOT_WEIGHT`` decodes of two
+# steps or more) take no new decode but on an idle worker: prefilled requests wait, and new
+# ones get 429 up front (``_decode_refusal``), until the running decodes step faster. Their memory is no bound on their step
 # time: a step reads every sequence's KV, shared blocks each time (see ``SharedBlocks``).
 _DECODE_FULL = 0.9
 _DECODE_TPOT_WEIGHT = 0.05
@@ -255,7 +255,7 @@ class SchedulerCore:
         if tracked is None or tracked.worker_id != finished.worker_id:
             return []  # stale: from an attempt that is no longer the request's
         self._learn_decode(tracked, now)
-        self._learn_tpot(tracked, finished, now)
+        self._learn_tpot(tracked, finished)
         self._lend(tracked, finished, now)
         self._forget(finished.request_id)
         return self._drain(now)
@@ -525,15 +525,16 @@ class SchedulerCore:
         if tracked.decode_started is not None and tracked.phase == "decode":
             self._decode_s = (1 - _RATE_WEIGHT) * self._decode_s + _RATE_WEIGHT * (now - tracked.decode_started)
 
-    def _learn_tpot(self, tracked: Tracked, finished: RequestFinished, now: float) -> None:
-        """The time per output token of a decode a decode worker finished (its whole decode,
-        from its placement, handoff included, as the SLO counts it)."""
+    def _learn_tpot(self, tracked: Tracked, finished: RequestFinished) -> None:
+        """The step time of a decode a decode worker finished, as the worker measured it
+        (``RequestFinished.step_s``): what more decodes on those workers would slow. Not its
+        time from placement: that adds the KV handoff, a long prompt's transfer spread over a
+        short answer, which reads as slow decodes on an idle fleet (it refused requests at
+        0.65 req/s on Mooncake's synthetic trace) and which refusing requests cannot shorten."""
         worker = self.workers.get(finished.worker_id)
-        if worker is None or worker.role != "decode" or tracked.phase != "decode" or tracked.decode_started is None:
+        if worker is None or worker.role != "decode" or tracked.phase != "decode" or finished.step_s <= 0:
             return
-        if finished.generated_tokens < 2:
-            return
-        tpot = (now - tracked.decode_started) / (finished.generated_tokens - 1)
+        tpot = finished.step_s
         last = self._decode_tpot
         self._decode_tpot = tpot if last is None else (1 - _DECODE_TPOT_WEIGHT) * last + _DECODE_TPOT_WEIGHT * tpot
 

@@ -338,6 +338,10 @@ class RequestFinished(_Wire, frozen=True, tag="finished"):
     # loaded < expected means the KV did not arrive and the engine recomputed it.
     kv_expected_tokens: int = 0
     kv_loaded_tokens: int = 0
+    # The decode's steps: seconds from the first token this worker generated to the last,
+    # over the steps between them (0 with fewer than two steps). What the decode worker's
+    # load changes; the KV handoff before the first step is not in it.
+    step_s: float = 0.0
 
 
 class WorkerLeaving(_Wire, frozen=True, tag="leaving"):

@@ -71,6 +71,18 @@ class _Stream:
     finished: FinishReason | None = None  # set once every choice has
     kv_expected_tokens: int = 0
     kv_loaded_tokens: int = 0
+    first_step_at: float = 0.0  # when a step first gave it a token here
+    last_step_at: float = 0.0
+    steps: int = 0  # steps that gave it a token here (n choices step together)
+
+    def stepped(self, now: float) -> None:
+        if not self.steps:
+            self.first_step_at = now
+        self.last_step_at, self.steps = now, self.steps + 1
+
+    def step_s(self) -> float:
+        """Seconds a step, from its first token here to its last (``RequestFinished.step_s``)."""
+        return (self.last_step_at - self.first_step_at) / (self.steps - 1) if self.steps > 1 else 0.0
 
 
 class DecodeRole:
@@ -245,7 +257,8 @@ class DecodeRole:
 
     def _absorb(self, outputs: list[StepOutput]) -> bool:
         """Queue each output token on its stream; True when a sequence finished."""
-        finished = False
+        finished, now = False, time.monotonic()
+        stepped: set[str] = set()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -257,6 +270,9 @@ class DecodeRole:
             if out.token is not None:
                 pending.tokens.append(out.token)
                 stream.generated += 1
+                if out.request_id not in stepped:
+                    stepped.add(out.request_id)
+                    stream.stepped(now)
                 if out.logprobs is not None:
                     pending.logprobs.append(out.logprobs)
             if out.finished is not None:
@@ -303,6 +319,7 @@ class DecodeRole:
                         reason=stream.finished,
                         kv_expected_tokens=stream.kv_expected_tokens,
                         kv_loaded_tokens=stream.kv_loaded_tokens,
+                        step_s=stream.step_s(),
                     )
                 )
         self._unsent = {}

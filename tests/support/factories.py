@@ -134,12 +134,15 @@ def prefill_failed(spec: RequestSpec, worker_id: str, message: str = "engine exp
     return PrefillFailed(worker_id=worker_id, request_id=spec.request_id, message=message)
 
 
-def request_finished(spec: RequestSpec, worker_id: str, generated: int | None = None) -> RequestFinished:
+def request_finished(
+    spec: RequestSpec, worker_id: str, generated: int | None = None, step_s: float = 0.0
+) -> RequestFinished:
     return RequestFinished(
         worker_id=worker_id,
         request_id=spec.request_id,
         generated_tokens=generated if generated is not None else spec.sampling.max_tokens,
         reason="length",
+        step_s=step_s,
     )
 
 

@@ -446,3 +446,18 @@ def test_goodput_fraction_counts_rejected_requests_as_missed():
     )
     assert 0 < good == summary["completed"] < len(requests)  # all that ran met the SLOs
     assert summary["goodput_fraction"] == good / len(requests)
+
+
+def test_slow_handoffs_do_not_close_decode_workers_that_step_quickly():
+    """A long prompt with a short answer every 2 s, whose time per token is mostly its KV
+    handoff (over the TPOT SLO), between short prompts with long answers: the decode workers
+    step quickly, so they take more decodes each and no request is refused."""
+    requests = []
+    for i in range(20):
+        requests.append(TraceRequest(2.0 * i, 20_000, 3, tuple(range(100 * i, 100 * i + 40))))
+        requests.append(TraceRequest(2.0 * i + 1, 1_000, 400, (100 * i + 80, 100 * i + 81)))
+    result = replay(requests, settings(prefill=2, decode=2, ttft_slo_s=2.0, tpot_slo_s=0.05))
+    out = result.outcomes
+    assert out.status == ["done"] * len(requests)
+    handoffs = [(out.last_token[i] - out.first_token[i]) / 2 for i in range(0, len(requests), 2)]
+    assert min(handoffs) > 0.05  # the handoff alone misses the SLO

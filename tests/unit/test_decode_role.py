@@ -90,6 +90,19 @@ async def test_fast_steps_share_messages_slow_steps_do_not() -> None:
     assert len(bus.batches) == 19  # each 2 ms step is its own message
 
 
+async def test_a_finished_decode_reports_the_time_its_steps_took() -> None:
+    """``step_s``: from its first token here to its last, over the steps between (19 steps
+    of 2 ms after the first); a decode of one step has no step time."""
+    slow = SimEngine(SimEngineConfig(cost=SimCostModel(decode_step_base_s=0.002)), "d")
+    role, bus = DecodeRole(slow, "d", 100_000, min_publish_interval_s=0.001), RecordingBus()
+    role.offer(_task("long", "i", 21), {})
+    role.offer(_task("short", "i", 2), {})
+    await _run(role, bus, lambda: len(bus.events) == 2)
+    finished = {e.request_id: e for e in bus.events}
+    assert finished["short"].step_s == 0.0
+    assert 0.002 <= finished["long"].step_s < 0.02
+
+
 async def test_cancel_drops_unsent_tokens_and_frees_the_engine() -> None:
     engine = SimEngine(SimEngineConfig(cost=SimCostModel(decode_step_base_s=0.001)), "d")
     role, bus = DecodeRole(engine, "d", 100_000, min_publish_interval_s=10.0), RecordingBus()

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from switchyard.scheduler import FailStream
-from switchyard.schemas import DecodeTask, PromptUsage, SharedBlocks, SimKvHandle
+from switchyard.schemas import Admitted, DecodeTask, PromptUsage, SharedBlocks, SimKvHandle
 from switchyard.workers.decode import DecodeRole
 from switchyard.workers.sim import SimEngine, SimEngineConfig
 from tests.support.factories import BLOCK_SIZE, make_spec, prefill_done, prompt_of, request_finished, worker_leaving
@@ -189,19 +189,21 @@ def _slow_fleet(policy: str = "switchyard") -> Harness:
     return h
 
 
-def _decode(h: Harness, spec, seconds: float) -> str:
-    """Prefill and hand ``spec`` over at once; finish its decode ``seconds`` later."""
+def _decode(h: Harness, spec, seconds: float, step_s: float) -> str:
+    """Prefill and hand ``spec`` over at once; finish its decode ``seconds`` later, its
+    worker having measured ``step_s`` a step."""
     (worker,) = [w for _, w in dispatched(_prefilled(h, spec), DecodeTask)]
     h.clock.advance(seconds)
-    h.event(request_finished(spec, worker))
+    h.event(request_finished(spec, worker, step_s=step_s))
     return worker
 
 
-def _three_after(h: Harness, per_token_s: float) -> tuple[list[str], Harness]:
-    """40 decodes of 9 tokens after the first at ``per_token_s``, then three more handed
-    over at once: the workers they went to."""
+def _three_after(h: Harness, per_token_s: float, handoff_s: float = 0.0) -> tuple[list[str], Harness]:
+    """40 decodes of 9 tokens after the first at ``per_token_s`` (after a handoff of
+    ``handoff_s``), then three more handed over at once: the workers they went to."""
     for i in range(40):
-        _decode(h, make_spec(f"before{i}", prompt_len=100, max_tokens=10), 9 * per_token_s)
+        spec = make_spec(f"before{i}", prompt_len=100, max_tokens=10)
+        _decode(h, spec, handoff_s + 9 * per_token_s, per_token_s)
     specs = [make_spec(r, prompt_len=100, max_tokens=10) for r in "abc"]
     return [w for spec in specs for _, w in dispatched(_prefilled(h, spec), DecodeTask)], h
 
@@ -219,6 +221,23 @@ def test_decodes_running_slow_take_no_more_but_on_an_idle_worker() -> None:
 def test_decodes_running_quick_share_a_worker() -> None:
     placed, _ = _three_after(_slow_fleet(), 0.02)
     assert placed == ["d0", "d1", "d0"]
+
+
+def test_a_slow_handoff_is_not_a_slow_decode() -> None:
+    """Decodes that stepped quickly after a long KV handoff (a long prompt, a short answer:
+    90 ms a token from placement) leave the decode workers open: refusing requests would
+    not shorten a handoff, and the fleet may be idle."""
+    placed, h = _three_after(_slow_fleet(), 0.02, handoff_s=0.63)
+    assert placed == ["d0", "d1", "d0"]
+    assert isinstance(h.submit(make_spec("d", prompt_len=100, max_tokens=10))[0], Admitted)
+
+
+def test_decodes_of_one_step_teach_nothing() -> None:
+    h = _slow_fleet()
+    for i in range(40):  # two tokens each, 500 ms apart: one step, no step time
+        _decode(h, make_spec(f"short{i}", prompt_len=100, max_tokens=2), 0.5, 0.0)
+    specs = [make_spec(r, prompt_len=100, max_tokens=10) for r in "abc"]
+    assert [w for spec in specs for _, w in dispatched(_prefilled(h, spec), DecodeTask)] == ["d0", "d1", "d0"]
 
 
 def test_the_peers_decode_whatever_the_time_per_token() -> None:

@@ -158,6 +158,7 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             reason="stop",
             kv_expected_tokens=640,
             kv_loaded_tokens=608,
+            step_s=0.021,
         ),
     ),
     *[
