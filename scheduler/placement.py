@@ -33,6 +33,7 @@ from switchyard.scheduler.lending import pick_decode
 from switchyard.scheduler.native import native as _native
 from switchyard.scheduler.policies import PlacementView, decode_cost, make_policy
 from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id, shareable_keys
+from switchyard.schemas import RequestSpec
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ sets each field by a call
@@ -190,7 +191,9 @@ class Placer:
     ) -> WorkerState | None:
         """Where a prefilled request decodes: of the decode workers it fits (its KV less
         the prompt blocks decodes there already hold, ``WorkerState.assign_decode``), the
-        least loaded once those blocks are taken off (``decode_cost``); for a peer, the one
+        least loaded once those blocks are taken off (``decode_cost``), or the prompt blocks
+        its device still caches where more (they need no handoff: the KV connector loads only
+        what the device lacks; ``_decode_by_slot``); for a peer, the one
         its own decode routing picks among them (``_peer_decode``). ``idle_only``: of the
         decode workers decoding nothing (the core's decodes run slow, ``_DECODE_FULL``)."""
         tokens, spec = request.decode_tokens, request.spec  # computed once, not once a worker
@@ -200,7 +203,8 @@ class Placer:
             if idle_only:
                 return min(_idle_decode(workers.decode.values()), key=decode_cost, default=None)
             if self._choose_decode is None:
-                return _decode_by_slot(workers, tokens, self.index.native, workers.decode_sharing(spec))
+                cached = self._decode_cached(spec, workers)
+                return _decode_by_slot(workers, tokens, self.index.native, workers.decode_sharing(spec), cached)
             workers = workers.decode.values()
         if idle_only:
             return min(_idle_decode(workers), key=decode_cost, default=None)
@@ -210,7 +214,22 @@ class Placer:
             return None
         if self._choose_decode is not None:
             return self._peer_decode(request, [w for w, _ in fitting])
-        return min(fitting, key=lambda ws: decode_cost(*ws))[0]
+        _, device = self.index.match_counts(spec.block_keys, [w.worker_id for w, _ in fitting])
+        size = spec.block_size
+        return min(fitting, key=lambda ws: decode_cost(ws[0], max(ws[1], device.get(ws[0].worker_id, 0) * size)))[0]
+
+    def _decode_cached(self, spec: RequestSpec, fleet: Fleet) -> npt.NDArray[np.int64] | None:
+        """By fleet slot, the prompt tokens on a worker's device tier as the index knows it
+        (for a decode worker, blocks handed to it before and still cached); None where no
+        decode worker holds its first block there."""
+        _, device = self.index.match_slots(spec.block_keys)
+        if not device.any():
+            return None
+        self._slots.of_index()
+        cached = np.append(device, 0)[self._slots.rows(fleet)]
+        if not cached[fleet.slots("decode")].any():
+            return None
+        return cached.astype(np.int64) * spec.block_size
 
     def _peer_decode(self, request: Tracked, fitting: list[WorkerState]) -> WorkerState:
         """A peer's decode routing among the decode workers that fit: its scores over what
@@ -273,24 +292,31 @@ def _fitting(
 
 
 def _decode_by_slot(
-    fleet: Fleet, tokens: int, native: bool = False, saved: npt.NDArray[np.int32] | None = None
+    fleet: Fleet,
+    tokens: int,
+    native: bool = False,
+    saved: npt.NDArray[np.int32] | None = None,
+    cached: npt.NDArray[np.int64] | None = None,
 ) -> WorkerState | None:
     """``Placer.decode`` from the fleet's arrays: among the decode workers that fit, the
     least ``decode_cost`` (KV load share, then sequences running, then the id); ``saved``
     (tokens by slot, ``Fleet.decode_sharing``): the prompt's tokens decodes there already
-    hold, which it needs less there and which count off that worker's load; ``native``:
-    that same loop in C."""
+    hold, which it needs less there and which count off that worker's load; ``cached``
+    (tokens by slot): the prompt's tokens on a worker's device, which count off its load
+    where more than ``saved`` (no handoff for them), not off its room (reused, they are
+    held again); ``native``: without ``cached``, that same loop in C."""
     slots = fleet.slots("decode")
-    if native:
+    if native and cached is None:
         slot = _native.choose_decode(fleet.load, fleet.budget, fleet.running, fleet.id_rank(), slots, tokens, saved)
         return fleet.workers[fleet.ids[slot]] if slot >= 0 else None  # type: ignore[index]  # a taken slot
     load, budget = fleet.load[slots], fleet.budget[slots]
-    held = saved[slots] if saved is not None else 0
+    held = saved[slots] if saved is not None else np.zeros(len(slots), dtype=np.int64)
     fits = (load == 0) | (load + tokens - held <= budget)
     slots = slots[fits]
     if not len(slots):
         return None
-    share = (load - held)[fits] / np.maximum(1.0, budget[fits])
+    credit = held[fits] if cached is None else np.maximum(held[fits], cached[slots])
+    share = (load[fits] - credit) / np.maximum(1.0, budget[fits])
     slots = slots[share == share.min()]
     if len(slots) > 1:
         running = fleet.running[slots]

@@ -9,7 +9,14 @@ import random
 import pytest
 
 from switchyard.scheduler import FailStream
-from switchyard.schemas import Admitted, DecodeTask, PromptUsage, SharedBlocks, SimKvHandle
+from switchyard.schemas import (
+    Admitted,
+    DecodeTask,
+    KvSnapshot,
+    PromptUsage,
+    SharedBlocks,
+    SimKvHandle,
+)
 from switchyard.workers.decode import DecodeRole
 from switchyard.workers.sim import SimEngine, SimEngineConfig
 from tests.support.factories import BLOCK_SIZE, make_spec, prefill_done, prompt_of, request_finished, worker_leaving
@@ -178,6 +185,32 @@ def test_a_task_delivered_twice_starts_one_decode() -> None:
     assert role.offer(_task(a), {}) is None
     assert role.offer(_task(a), {}) == "already decoding"
     assert role.running() == 1 and role.inflight_tokens() == 610
+
+
+def _cached_on(h: Harness, worker: str, keys: list[int]) -> None:
+    """``worker``'s cache holds ``keys`` on its device (handed over before, still there)."""
+    h.core.on_kv_snapshot(KvSnapshot(worker_id=worker, seq=0, blocks={"device": keys}), h.clock.now)
+
+
+def test_a_decode_goes_where_its_prompt_is_cached_already() -> None:
+    """Blocks a decode worker still has on its device need no handoff (its connector loads
+    only what the device lacks) and no new memory: they count off that worker's load, as
+    blocks shared with its decodes do."""
+    h = Harness()
+    cluster(h, {"p0": 100_000}, {"d0": 10_000, "d1": 10_000})
+    a = _spec("a", 1)
+    _cached_on(h, "d1", a.block_keys[:36])
+    assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d1")]  # idle both: d0 on a tie
+
+
+def test_a_cached_prompt_weighs_no_more_than_the_tokens_it_saves() -> None:
+    h = Harness()
+    cluster(h, {"p0": 100_000}, {"d0": 10_000, "d1": 10_000})
+    big = make_spec("big", prompt_len=2_000, max_tokens=10)
+    assert dispatched(_prefilled(h, big), DecodeTask) == [("big", "d0")]
+    a = _spec("a", 1)
+    _cached_on(h, "d0", a.block_keys[:36])  # 576 tokens cached, 2,010 held by big
+    assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d1")]
 
 
 # --- decodes that run slow take no more -----------------------------------------------------
