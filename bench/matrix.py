@@ -89,7 +89,9 @@ CASES = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     names = ", ".join(c.name for c in CASES)
     p.add_argument("--out", type=Path, default=Path("bench/results/sim/matrix"), help="results folder")
-    p.add_argument("--mooncake", type=Path, default=MOONCAKE, help="the Mooncake conversation trace (JSONL)")
+    p.add_argument(
+        "--mooncake", type=Path, default=MOONCAKE, help="the mooncake-* cases' trace (JSONL; default: conversation)"
+    )
     p.add_argument("--azure", type=Path, default=AZURE, help="the Azure LLM inference conversation trace (CSV)")
     p.add_argument("--cases", default=None, help=f"comma-separated case names (default: all of {names})")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policies")
