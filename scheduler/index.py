@@ -458,12 +458,14 @@ class PrefixIndex:
         return names.counts(walk.stopped, ids, block_keys), names.counts(walk.device_stopped, ids, block_keys)
 
     def match_slots(
-        self, block_keys: list[int], workers: Iterable[str] | None = None
+        self, block_keys: list[int], workers: Iterable[str] | None = None, wanted: int | None = None
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """``match_counts`` as two arrays by worker slot (``worker_slots``): leading blocks
         on any tier and on the device tier, 0 for a worker that matched nothing or a free
-        slot. For a caller that scores the fleet as arrays: no worker id is looked at."""
-        wanted = self._wanted(workers)
+        slot. For a caller that scores the fleet as arrays: no worker id is looked at.
+        ``wanted``: the workers as a ``mask`` made before (instead of ``workers``); the walk
+        stops at the first block none of them holds."""
+        wanted = self._wanted(workers) if wanted is None else wanted
         if not self.native:
             walk = self._walk(block_keys, wanted)
             return by_slot(walk.stopped, len(self._ids)), by_slot(walk.device_stopped, len(self._ids))
@@ -480,6 +482,11 @@ class PrefixIndex:
         """Slot -> worker id (None: free), the index of ``match_slots``' arrays. A slot keeps
         its worker until the worker is forgotten; a new worker takes the lowest free one."""
         return list(self._ids)
+
+    def mask(self, workers: Iterable[str]) -> int:
+        """``workers`` as ``match_slots``' ``wanted``: made once, valid until ``ids_version``
+        changes."""
+        return self._wanted(workers)
 
     def _wanted(self, workers: Iterable[str] | None) -> int:
         if workers is None:

@@ -55,6 +55,7 @@ class Placer:
         # A peer's own decode routing (``peers.py``: each routes decode workers by its own
         # scores, as in its P/D mode); other policies take the core's pick (``decode_cost``).
         self._choose_decode = getattr(self.policy, "choose_decode", None)
+        self._decode_mask: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (fleet, index versions), mask
 
     def prefill(
         self,
@@ -222,14 +223,14 @@ class Placer:
         """By fleet slot, the prompt tokens on a worker's device tier as the index knows it
         (for a decode worker, blocks handed to it before and still cached); None where no
         decode worker holds its first block there."""
-        _, device = self.index.match_slots(spec.block_keys)
+        version = (fleet.version, self.index.ids_version)
+        if self._decode_mask[0] != version:  # the decode workers as the index's walk mask
+            self._decode_mask = (version, self.index.mask(w.worker_id for w in fleet.decode.values()))
+        _, device = self.index.match_slots(spec.block_keys, wanted=self._decode_mask[1])
         if not device.any():
             return None
         self._slots.of_index()
-        cached = np.append(device, 0)[self._slots.rows(fleet)]
-        if not cached[fleet.slots("decode")].any():
-            return None
-        return cached.astype(np.int64) * spec.block_size
+        return np.append(device, 0)[self._slots.rows(fleet)].astype(np.int64) * spec.block_size
 
     def _peer_decode(self, request: Tracked, fitting: list[WorkerState]) -> WorkerState:
         """A peer's decode routing among the decode workers that fit: its scores over what
