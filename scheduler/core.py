@@ -142,8 +142,9 @@ _DECODE_SLACK = 0.5
 # Decode workers whose finished decodes have stepped slower than this share of the TPOT SLO
 # lately (their ``step_s``, averaged over about ``1 / _DECODE_TPOT_WEIGHT`` decodes of two
 # steps or more) take no new decode but on an idle worker: prefilled requests wait, and new
-# ones get 429 up front (``_decode_refusal``), until the running decodes step faster. Their memory is no bound on their step
-# time: a step reads every sequence's KV, shared blocks each time (see ``SharedBlocks``).
+# ones get 429 up front (``_decode_refusal``), until the running decodes step faster. Their
+# memory is no bound on their step time: a step reads every sequence's KV, shared blocks
+# each time (see ``SharedBlocks``).
 _DECODE_FULL = 0.9
 _DECODE_TPOT_WEIGHT = 0.05
 # Shortest first, while the prefill fleet is busy: from this busy share on, a worker that

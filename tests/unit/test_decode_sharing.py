@@ -194,8 +194,8 @@ def _cached_on(h: Harness, worker: str, keys: list[int]) -> None:
 
 def test_a_decode_goes_where_its_prompt_is_cached_already() -> None:
     """Blocks a decode worker still has on its device need no handoff (its connector loads
-    only what the device lacks) and no new memory: they count off that worker's load, as
-    blocks shared with its decodes do."""
+    only what the device lacks): they count off that worker's load in the pick, as blocks
+    shared with its decodes do (not off its room: reused, they are held again)."""
     h = Harness()
     cluster(h, {"p0": 100_000}, {"d0": 10_000, "d1": 10_000})
     a = _spec("a", 1)
