@@ -533,9 +533,11 @@ class SchedulerCore:
         short answer, which reads as slow decodes on an idle fleet (it refused requests at
         0.65 req/s on Mooncake's synthetic trace) and which refusing requests cannot shorten."""
         worker = self.workers.get(finished.worker_id)
-        if worker is None or worker.role != "decode" or tracked.phase != "decode" or finished.step_s <= 0:
-            return
         tpot = finished.step_s
+        if worker is None or worker.role != "decode" or tracked.phase != "decode":
+            return
+        if not 0 < tpot < math.inf:  # none measured; or a broken worker's NaN or inf, which would stay in the average
+            return
         last = self._decode_tpot
         self._decode_tpot = tpot if last is None else (1 - _DECODE_TPOT_WEIGHT) * last + _DECODE_TPOT_WEIGHT * tpot
 

@@ -273,6 +273,16 @@ def test_decodes_of_one_step_teach_nothing() -> None:
     assert [w for spec in specs for _, w in dispatched(_prefilled(h, spec), DecodeTask)] == ["d0", "d1", "d0"]
 
 
+@pytest.mark.parametrize("garbage", [math.inf, math.nan, -1.0])
+def test_a_step_time_that_is_no_time_teaches_nothing(garbage: float) -> None:
+    """A broken worker's step time (NaN or inf would stay in the average for good) is
+    ignored: the decode workers stay open."""
+    h = _slow_fleet()
+    _decode(h, make_spec("broken", prompt_len=100, max_tokens=10), 0.2, garbage)
+    placed, h = _three_after(h, 0.02)
+    assert placed == ["d0", "d1", "d0"]
+
+
 def test_the_peers_decode_whatever_the_time_per_token() -> None:
     placed, _ = _three_after(_slow_fleet("dynamo_kv"), 0.06)
     assert placed == ["d0", "d1", "d0"]
