@@ -262,11 +262,26 @@ class WorkerRuntime:
             rid = task.spec.request_id
             cancel = self._cancelled.get(rid)
             cancelled = cancel is not None and cancel.covers(task.spec.attempt)
+            held = self.held.attempt(rid)
+            if not cancelled and held is not None and held < task.spec.attempt:
+                self._supersede(rid, held, task.spec.attempt)
             refusal = "cancelled" if cancelled else self.role.offer(task, msg.headers or {})
             if refusal is None:
                 self.held.accepted(task)
             ack = TaskAck(request_id=rid, accepted=refusal is None, reason=refusal or "")
             await msg.respond(codec.TASK_ACK.encode(ack))
+
+    def _supersede(self, request_id: str, held: int, attempt: int) -> None:
+        """A later attempt of a request whose earlier run this worker still holds: the
+        ingress cancelled that run before it submitted this one, but the cancel did not
+        come (core NATS delivers at most once: a worker still reconnecting after the bus
+        restarted misses it). The ingress takes chunks only from the later run, so the
+        earlier one is ended here as its cancel would have, and the task is offered to a
+        worker that no longer runs it (it was refused as "already decoding" until the old
+        run ended on its own, and the request failed once its dispatches were spent)."""
+        log.info("%s: attempt %d supersedes attempt %d held here; ending that one", request_id, attempt, held)
+        self.role.cancel(request_id)
+        self.held.cancelled(request_id)
 
     async def _serve_cancels(self, sub: Subscription) -> None:
         async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):

@@ -12,8 +12,20 @@ import pytest
 from switchyard.observability.bus import BusStats, connect
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
-from switchyard.schemas import LoadReport, RequestSpec, SamplingParams, SubmitRequest, codec, subjects
+from switchyard.schemas import (
+    DecodeTask,
+    LoadReport,
+    PromptUsage,
+    RequestSpec,
+    SamplingParams,
+    SimKvHandle,
+    SubmitRequest,
+    TaskAck,
+    codec,
+    subjects,
+)
 from switchyard.workers import build_worker
+from switchyard.workers.sim import SimCostModel
 from tests.support.stack import worker_config
 
 pytestmark = pytest.mark.anyio
@@ -296,4 +308,34 @@ async def test_the_index_learns_what_moved_down_to_the_host_tier(nats):
                 and (m.device_blocks, m.blocks) == (0, 3)
             )
         )
+        tg.cancel_scope.cancel()
+
+
+async def test_a_later_attempt_ends_the_run_whose_cancel_the_worker_missed(nats):
+    """Core NATS delivers at most once: a worker still reconnecting after nats-server
+    restarted misses the ingress's cancel of a cut stream, and still decodes that run when
+    the request's next attempt comes. The next attempt ends it and decodes; a task for the
+    attempt it runs is still refused (a task delivered twice is one stream)."""
+    decode = build_worker(worker_config(nats.url, "decode", SimCostModel(decode_step_base_s=0.01)))
+    spec = _spec("r", max_tokens=2000)  # 20 s of decoding: alive throughout
+    handle = SimKvHandle(worker_id="p", block_keys=[], num_tokens=len(spec.prompt_tokens))
+    usage = PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0)
+
+    async def offer(nc, attempt: int) -> TaskAck:
+        task = DecodeTask(
+            spec=msgspec.structs.replace(spec, attempt=attempt), handle=handle, first_token=7, usage=usage
+        )
+        reply = await nc.request(subjects.worker_tasks(decode.config.worker_id), codec.WORKER_TASK.encode(task), 5)
+        return codec.TASK_ACK.decode(reply.data)
+
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        await tg.start(decode.run)
+        sub = await nc.subscribe(subjects.streams_of("ing-test"))
+        assert (await offer(nc, 0)).accepted
+        first = await _collect(sub, "r", 5)  # the first run decodes
+        assert first[0].seq == 1
+        assert (await offer(nc, 0)).reason == "already decoding"
+        assert (await offer(nc, 1)).accepted  # no cancel came: the later attempt ends the earlier run
+        assert decode.role.running() == 1 and decode.held.attempt("r") == 1
+        assert (await offer(nc, 1)).reason == "already decoding"
         tg.cancel_scope.cancel()
