@@ -10,7 +10,12 @@ Each worker answers with every request it holds. A request the worker acknowledg
 before the roll call and no longer holds has ended there, and the message saying how
 was lost: the scheduler forgets it and hands it to its ingress as ``worker_lost`` (a
 stream that had ended is gone at the ingress already; one that had not continues
-elsewhere, ``ingress.generation``). An acknowledgement precedes the roll call and the
+elsewhere, ``ingress.generation``). The other way round, a request the worker holds and
+the scheduler no longer tracks (``strays``) ended for the scheduler, and its cancel was
+lost on the way to the worker (a client that left, a stream the ingress migrated while
+the worker reconnected): the worker would decode it to its end for nobody, holding KV the
+scheduler's ledger counts as free. The scheduler cancels that run, and does not adopt it
+as it adopts a previous scheduler's requests (``SchedulerCore``). An acknowledgement precedes the roll call and the
 worker's answer follows the roll call, so a task still on its way is never taken for
 lost; a worker that does not answer is left to its heartbeat's expiry.
 
@@ -19,9 +24,10 @@ Pure: time is passed in, the service publishes the roll call and applies the res
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
-from switchyard.schemas import LoadReport
+from switchyard.schemas import HeldRequest, LoadReport
 
 
 @dataclass
@@ -34,6 +40,12 @@ class Audit:
         """One part of a worker's answer (a long list comes in several reports)."""
         if report.held is not None:
             self.held.setdefault(report.worker_id, set()).update(h.request_id for h in report.held)
+
+    @staticmethod
+    def strays(report: LoadReport, tracked: Container[str]) -> list[HeldRequest]:
+        """What the worker answered it holds that the scheduler does not track (``tracked``:
+        request ids): runs whose cancel it missed."""
+        return [h for h in report.held or [] if h.request_id not in tracked]
 
     def lost(self) -> list[tuple[str, str]]:
         """(request, worker) for each placed request its worker answered without."""

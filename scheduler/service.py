@@ -64,6 +64,7 @@ from switchyard.scheduler.session_store import SessionStore
 from switchyard.scheduler.sessions import Binding
 from switchyard.scheduler.standby import Kept, Settlement, Shadowed, SubmitShadow, settlement
 from switchyard.schemas import (
+    Cancel,
     HeldRequest,
     KvSnapshot,
     KvSnapshotRequest,
@@ -127,6 +128,7 @@ class SchedulerService:
         self._answered: set[str] = set()  # workers that answered this scheduler's roll call
         self._answer = anyio.Event()  # set at each answer
         self._audit: Audit | None = None  # after the bus may have lost messages (scheduler.audit)
+        self.strays_cancelled = 0  # runs a worker still held after they ended here (Audit.strays)
         self._bus_losses = (0, 0)  # reconnects and drops the last audit covered
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -273,16 +275,32 @@ class SchedulerService:
             if not self.active.is_set():
                 self._shadow_event(event)
                 continue
+            answer = event
+            if isinstance(event, LoadReport) and event.held and self._audit is not None:
+                strays = self._audit.strays(event, self.core.requests)
+                if strays:  # ended here, their cancels lost: ended there too, not adopted
+                    await self._cancel_strays(event.worker_id, strays)
+                    event = msgspec.structs.replace(event, held=[h for h in event.held if h not in strays])
             actions = self.core.on_event(event, self._clock())
             if isinstance(event, LoadReport) and event.held is not None:
                 if self._audit is not None:
-                    self._audit.heard(event)
+                    self._audit.heard(answer)
                 self._answered.add(event.worker_id)
                 self._answer.set()
                 self._give_prompts(event.held)
             if not self._settled.is_set():  # the shadow still settles what it kept
                 self._shadow_event(event)
             await self._act(actions)
+
+    async def _cancel_strays(self, worker_id: str, strays: list[HeldRequest]) -> None:
+        """Cancel runs a worker holds that ended here (``Audit.strays``), each up to its own
+        attempt: a later one the ingress submits since is not theirs to end."""
+        assert self._nc is not None
+        log.warning("audit: %s still ran %d requests that had ended; cancelling them", worker_id, len(strays))
+        self.strays_cancelled += len(strays)
+        for held in strays:
+            cancel = Cancel(request_id=held.request_id, reason="ended", attempt=held.attempt)
+            await self._nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
 
     def _give_prompts(self, held: list[HeldRequest]) -> None:
         """Adopted requests whose submits the standby kept get their prompts at once."""

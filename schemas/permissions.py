@@ -59,6 +59,7 @@ def scheduler() -> Permissions:
             subjects.worker_tasks("*"),
             subjects.kv_snapshot("*"),
             subjects.ROLL_CALL,
+            subjects.CANCEL,  # a run a worker still holds after it ended here (scheduler.audit)
             subjects.stream("*", subjects.SCHEDULER_SENDER),  # assignments, a request's error chunk
             subjects.stream("*.*", subjects.SCHEDULER_SENDER),  # the same to an ingress in a region
             subjects.fed_summary("*"),  # federation: the region's summary

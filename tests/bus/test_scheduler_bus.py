@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import subprocess
 import time
 
 import anyio
 import msgspec
 import pytest
 
+from switchyard import procs
 from switchyard.observability.bus import BusStats, connect
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
@@ -339,3 +341,43 @@ async def test_a_later_attempt_ends_the_run_whose_cancel_the_worker_missed(nats)
         assert decode.role.running() == 1 and decode.held.attempt("r") == 1
         assert (await offer(nc, 1)).reason == "already decoding"
         tg.cancel_scope.cancel()
+
+
+async def test_after_the_bus_came_back_runs_that_ended_here_are_cancelled_not_adopted(tmp_path):
+    """A run the scheduler does not track, still held by a worker after nats-server
+    restarted, is one whose cancel the worker missed: the scheduler's audit ends it (its
+    KV would otherwise stay held for nobody) instead of adopting it."""
+    port = procs.free_port()
+    url = f"nats://127.0.0.1:{port}"
+    command = procs.nats_server_command("127.0.0.1", port, str(tmp_path))
+    server = procs.spawn(command, stdout=subprocess.DEVNULL)
+    procs.wait_for_port("127.0.0.1", port, 10.0, server)
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=url, core=SchedulerConfig(worker_expiry_s=30)))
+    decode = build_worker(worker_config(url, "decode", SimCostModel(decode_step_base_s=0.01)))
+    spec = _spec("stray", max_tokens=3000)  # 30 s of decoding unless cancelled
+    task = DecodeTask(
+        spec=spec,
+        handle=SimKvHandle(worker_id="p", block_keys=[], num_tokens=len(spec.prompt_tokens)),
+        first_token=7,
+        usage=PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0),
+    )
+    try:
+        async with connect(url, "test") as nc, anyio.create_task_group() as tg:
+            await tg.start(sched.run)
+            await tg.start(decode.run)
+            await _wait(lambda: len(sched.core.workers) == 1)
+            reply = await nc.request(subjects.worker_tasks(decode.config.worker_id), codec.WORKER_TASK.encode(task), 5)
+            assert codec.TASK_ACK.decode(reply.data).accepted  # the scheduler never placed it
+            await _wait(lambda: decode.role.running() == 1)
+            server.kill()
+            server.wait()
+            server = procs.spawn(command, stdout=subprocess.DEVNULL)
+            procs.wait_for_port("127.0.0.1", port, 10.0, server)
+            await _wait(lambda: sched.strays_cancelled == 1, timeout_s=15)
+            await _wait(lambda: decode.role.running() == 0 and decode.held.attempt("stray") is None)
+            assert "stray" not in sched.core.requests  # not adopted: nothing charged for it
+            assert sched.core.ledger() == {}
+            tg.cancel_scope.cancel()
+    finally:
+        server.kill()
+        server.wait()

@@ -30,3 +30,9 @@ def test_an_answer_in_parts_counts_every_part() -> None:
     audit.heard(_answer("d1", "decode", "a"))
     audit.heard(_answer("d1", "decode", "b"))
     assert audit.lost() == []
+
+
+def test_what_a_worker_holds_and_the_scheduler_does_not_track_is_a_stray() -> None:
+    answer = _answer("d1", "decode", "a", "gone", "b")
+    assert [h.request_id for h in Audit.strays(answer, {"a", "b", "c"})] == ["gone"]
+    assert Audit.strays(load_report("d1", "decode"), set()) == []  # a heartbeat holds nothing to say
