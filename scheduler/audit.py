@@ -17,7 +17,10 @@ the worker reconnected): the worker would decode it to its end for nobody, holdi
 scheduler's ledger counts as free. The scheduler cancels that run, and does not adopt it
 as it adopts a previous scheduler's requests (``SchedulerCore``). An acknowledgement precedes the roll call and the
 worker's answer follows the roll call, so a task still on its way is never taken for
-lost; a worker that does not answer is left to its heartbeat's expiry.
+lost; a worker that does not answer is left to its heartbeat's expiry. Workers come back
+at their own pace (each client retries every 0.2 s), so one may reconnect after the roll
+call: it is asked again once the first answers had time to come (``asked_again``), and the
+audit ends as long after that. What a worker said it held in either answer counts.
 
 Pure: time is passed in, the service publishes the roll call and applies the result.
 """
@@ -35,6 +38,7 @@ class Audit:
     asked_at: float
     placed: dict[str, str]  # request -> the worker that acknowledged its task
     held: dict[str, set[str]] = field(default_factory=dict)  # worker -> what it said it holds
+    asked_again: bool = False  # the second roll call, for workers that reconnected after the first
 
     def heard(self, report: LoadReport) -> None:
         """One part of a worker's answer (a long list comes in several reports)."""

@@ -275,16 +275,14 @@ class SchedulerService:
             if not self.active.is_set():
                 self._shadow_event(event)
                 continue
-            answer = event
-            if isinstance(event, LoadReport) and event.held and self._audit is not None:
+            if isinstance(event, LoadReport) and event.held is not None and self._audit is not None:
+                self._audit.heard(event)
                 strays = self._audit.strays(event, self.core.requests)
                 if strays:  # ended here, their cancels lost: ended there too, not adopted
                     await self._cancel_strays(event.worker_id, strays)
                     event = msgspec.structs.replace(event, held=[h for h in event.held if h not in strays])
             actions = self.core.on_event(event, self._clock())
             if isinstance(event, LoadReport) and event.held is not None:
-                if self._audit is not None:
-                    self._audit.heard(answer)
                 self._answered.add(event.worker_id)
                 self._answer.set()
                 self._give_prompts(event.held)
@@ -410,7 +408,11 @@ class SchedulerService:
         """Start an audit when the bus may have lost messages; finish it once the workers
         have had time to answer (``scheduler.audit``)."""
         if self._audit is not None:
-            if now - self._audit.asked_at >= self.config.takeover_settle_s:
+            settle = self.config.takeover_settle_s
+            if not self._audit.asked_again and now - self._audit.asked_at >= settle:
+                self._audit.asked_again = True
+                await self._roll_call()  # a worker that reconnected after the first one answers this
+            elif self._audit.asked_again and now - self._audit.asked_at >= 2 * settle:
                 lost, self._audit = self._audit.lost(), None
                 if lost:
                     log.warning("audit: %d requests were no longer held by their workers; reclaimed", len(lost))
