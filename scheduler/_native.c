@@ -755,18 +755,19 @@ done:
     return result;
 }
 
-/* choose_decode(load, budget, running, rank, slots, tokens, saved) -> slot, or -1 if none fits
+/* choose_decode(load, budget, running, rank, slots, tokens, saved, weight) -> slot, or -1 if none fits
  *
  * ``_decode_by_slot``: among the decode workers at ``slots`` that take ``tokens``, the one of
  * the least KV share of its budget, then the fewest sequences, then the lowest ``rank`` (the
  * fleet's order of worker ids). ``saved`` (None, or int32 by slot): the prompt's tokens that
- * decodes on each worker already hold, which it needs less there and which count off that
- * worker's load (``Fleet.decode_sharing``). */
+ * decodes on each worker already hold, which it needs less there and which count ``weight``
+ * times off that worker's load (``Fleet.decode_sharing``, ``placement._SHARE_WEIGHT``). */
 static PyObject *choose_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *o_load, *o_budget, *o_running, *o_rank, *o_slots, *o_saved;
     long long tokens;
-    if (parse_args(args, nargs, "choose_decode", "OOOOOLO", &o_load, &o_budget, &o_running, &o_rank, &o_slots,
-                   &tokens, &o_saved) < 0)
+    double weight;
+    if (parse_args(args, nargs, "choose_decode", "OOOOOLOd", &o_load, &o_budget, &o_running, &o_rank, &o_slots,
+                   &tokens, &o_saved, &weight) < 0)
         return NULL;
     Buffers b = {.n = 0};
     PyObject *result = NULL;
@@ -791,7 +792,7 @@ static PyObject *choose_decode(PyObject *self, PyObject *const *args, Py_ssize_t
         }
         double held = saved ? (double)saved[s] : 0.0;
         if (!(load[s] == 0.0 || load[s] + (double)tokens - held <= budget[s])) continue;
-        double share = (load[s] - held) / (budget[s] > 1.0 ? budget[s] : 1.0);
+        double share = (load[s] - weight * held) / (budget[s] > 1.0 ? budget[s] : 1.0);
         if (best < 0 || share < best_share || (share == best_share && running[s] < best_running)) {
             best_share = share;
             best_running = running[s];

@@ -85,7 +85,14 @@ def choose_prefill(
     by_filled: bool,
 ) -> tuple[int, float] | None: ...
 def choose_decode(
-    load: Buffer, budget: Buffer, running: Buffer, rank: Buffer, slots: Buffer, tokens: int, saved: Buffer | None
+    load: Buffer,
+    budget: Buffer,
+    running: Buffer,
+    rank: Buffer,
+    slots: Buffer,
+    tokens: int,
+    saved: Buffer | None,
+    weight: float,
 ) -> int: ...
 def share_add(refs: dict[int, int], keys: Sequence[int], fresh: list[int] | None) -> int: ...
 def share_remove(refs: dict[int, int], keys: Sequence[int], gone: list[int] | None) -> int: ...

@@ -35,6 +35,20 @@ from switchyard.scheduler.policies import PlacementView, decode_cost, make_polic
 from switchyard.scheduler.state import Fleet, Tracked, WorkerState, lowest_id, shareable_keys
 from switchyard.schemas import RequestSpec
 
+# The decode pick: a token of the prompt that a decode worker already holds (in its running
+# decodes, or cached on its device) counts this many times off that worker's load. At 1 the
+# pick balanced the load after placement, and left a worker holding a prompt whenever the other
+# was lighter by more than the prompt's shared part: both then held the document, twice the
+# memory, and the requests after it found it on both. A decode fleet bound by its KV memory
+# (long shared documents on 6 + 2: decode workers full, prefill workers half idle) serves as
+# many requests as its memory holds at once, so what a placement saves there is capacity for
+# every later request of the same prefix while the decodes run. From the disaggregated cases of
+# the matrix and the synthetic and Mooncake-synthetic traces (docs/bench-sim.md), 1, 2, 4, 8 and
+# no limit (the most sharing always): long documents at the heaviest load 7.87, 8.14, 8.29, 7.97
+# and 7.76 req/s (seeds 1 and 2 of that trace: +3.7 % and -0.8 % at 4); the others within
+# 3 % either way. Past 4 one worker takes most decodes of a document and runs slower.
+_SHARE_WEIGHT = 4.0
+
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ sets each field by a call
 class Placement:
@@ -192,8 +206,8 @@ class Placer:
     ) -> WorkerState | None:
         """Where a prefilled request decodes: of the decode workers it fits (its KV less
         the prompt blocks decodes there already hold, ``WorkerState.assign_decode``), the
-        least loaded once those blocks are taken off (``decode_cost``), or the prompt blocks
-        its device still caches where more (they need no handoff: the KV connector loads only
+        least loaded once those blocks are taken off ``_SHARE_WEIGHT`` times (``decode_cost``),
+        or the prompt blocks its device still caches where more (they need no handoff: the KV connector loads only
         what the device lacks; ``_decode_by_slot``); for a peer, the one
         its own decode routing picks among them (``_peer_decode``). ``idle_only``: of the
         decode workers decoding nothing (the core's decodes run slow, ``_DECODE_FULL``)."""
@@ -217,7 +231,10 @@ class Placer:
             return self._peer_decode(request, [w for w, _ in fitting])
         _, device = self.index.match_counts(spec.block_keys, [w.worker_id for w, _ in fitting])
         size = spec.block_size
-        return min(fitting, key=lambda ws: decode_cost(ws[0], max(ws[1], device.get(ws[0].worker_id, 0) * size)))[0]
+        weight = _SHARE_WEIGHT
+        return min(
+            fitting, key=lambda ws: decode_cost(ws[0], weight * max(ws[1], device.get(ws[0].worker_id, 0) * size))
+        )[0]
 
     def _decode_cached(self, spec: RequestSpec, fleet: Fleet) -> npt.NDArray[np.int64] | None:
         """By fleet slot, the prompt tokens on a worker's device tier as the index knows it
@@ -302,13 +319,16 @@ def _decode_by_slot(
     """``Placer.decode`` from the fleet's arrays: among the decode workers that fit, the
     least ``decode_cost`` (KV load share, then sequences running, then the id); ``saved``
     (tokens by slot, ``Fleet.decode_sharing``): the prompt's tokens decodes there already
-    hold, which it needs less there and which count off that worker's load; ``cached``
-    (tokens by slot): the prompt's tokens on a worker's device, which count off its load
-    where more than ``saved`` (no handoff for them), not off its room (reused, they are
-    held again); ``native``: without ``cached``, that same loop in C."""
+    hold, which it needs less there and which count ``_SHARE_WEIGHT`` times off that
+    worker's load; ``cached`` (tokens by slot): the prompt's tokens on a worker's device,
+    which count so off its load where more than ``saved`` (no handoff for them), not off
+    its room (reused, they are held again); ``native``: without ``cached``, that same loop
+    in C."""
     slots = fleet.slots("decode")
     if native and cached is None:
-        slot = _native.choose_decode(fleet.load, fleet.budget, fleet.running, fleet.id_rank(), slots, tokens, saved)
+        slot = _native.choose_decode(
+            fleet.load, fleet.budget, fleet.running, fleet.id_rank(), slots, tokens, saved, _SHARE_WEIGHT
+        )
         return fleet.workers[fleet.ids[slot]] if slot >= 0 else None  # type: ignore[index]  # a taken slot
     load, budget = fleet.load[slots], fleet.budget[slots]
     held = saved[slots] if saved is not None else np.zeros(len(slots), dtype=np.int64)
@@ -317,7 +337,7 @@ def _decode_by_slot(
     if not len(slots):
         return None
     credit = held[fits] if cached is None else np.maximum(held[fits], cached[slots])
-    share = (load[fits] - credit) / np.maximum(1.0, budget[fits])
+    share = (load[fits] - _SHARE_WEIGHT * credit) / np.maximum(1.0, budget[fits])
     slots = slots[share == share.min()]
     if len(slots) > 1:
         running = fleet.running[slots]

@@ -367,7 +367,8 @@ def make_policy(name: str) -> PrefillPolicy:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
 
 
-def decode_cost(worker: WorkerState, saved: int = 0) -> tuple[float, int, str]:
-    """Decode placement: KV tokens held against capacity, less the ``saved`` tokens of the
-    prompt that decodes there already hold, then sequences running."""
+def decode_cost(worker: WorkerState, saved: float = 0) -> tuple[float, int, str]:
+    """Decode placement: KV tokens held against capacity, less ``saved`` (the tokens of the
+    prompt that decodes there already hold, as the caller weighs them:
+    ``placement._SHARE_WEIGHT``), then sequences running."""
     return ((worker.load_tokens - saved) / max(1, worker.token_budget), len(worker.assigned), worker.worker_id)

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from switchyard.scheduler import FailStream
+from switchyard.scheduler.placement import _SHARE_WEIGHT
 from switchyard.schemas import (
     Admitted,
     DecodeTask,
@@ -203,14 +204,35 @@ def test_a_decode_goes_where_its_prompt_is_cached_already() -> None:
     assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d1")]  # idle both: d0 on a tie
 
 
-def test_a_cached_prompt_weighs_no_more_than_the_tokens_it_saves() -> None:
+@pytest.mark.parametrize("spare", [-1, 1])
+def test_a_cached_prompt_weighs_its_tokens_share_weight_times_no_more(spare: int) -> None:
+    """d0 holds ``big`` (2,010 tokens), d1 nothing: ``a`` goes to d0 only if the tokens of it
+    d0 caches, ``_SHARE_WEIGHT`` times, outweigh those 2,010."""
     h = Harness()
     cluster(h, {"p0": 100_000}, {"d0": 10_000, "d1": 10_000})
     big = make_spec("big", prompt_len=2_000, max_tokens=10)
     assert dispatched(_prefilled(h, big), DecodeTask) == [("big", "d0")]
     a = _spec("a", 1)
-    _cached_on(h, "d0", a.block_keys[:36])  # 576 tokens cached, 2,010 held by big
-    assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d1")]
+    blocks = math.floor(2_010 / (_SHARE_WEIGHT * BLOCK_SIZE)) + (1 if spare > 0 else 0)
+    _cached_on(h, "d0", a.block_keys[:blocks])
+    assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d0" if spare > 0 else "d1")]
+
+
+def test_decodes_sharing_a_prompt_stay_together_while_it_outweighs_the_load() -> None:
+    """Two decode workers, one holding a long document's decodes: a further question about the
+    document goes there, though the other is lighter by more than the document (at weight 1
+    it went to the other, which then held the document too)."""
+    h = Harness()
+    cluster(h, {"p0": 100_000}, {"d0": 100_000, "d1": 100_000})
+    doc = list(range(1_000, 1_000 + 64 * BLOCK_SIZE))  # 1,024 tokens
+    first = make_spec("q1", prompt=doc + [7] * BLOCK_SIZE, max_tokens=10)
+    assert dispatched(_prefilled(h, first), DecodeTask) == [("q1", "d0")]  # d0 1,050
+    x = make_spec("x", prompt_len=1_500, max_tokens=10)
+    assert dispatched(_prefilled(h, x), DecodeTask) == [("x", "d1")]  # d1 1,510
+    y = make_spec("y", prompt_len=2_000, max_tokens=10)
+    assert dispatched(_prefilled(h, y), DecodeTask) == [("y", "d0")]  # d0 3,060: heavier by 1,550
+    second = make_spec("q2", prompt=doc + [8] * BLOCK_SIZE, max_tokens=10)
+    assert dispatched(_prefilled(h, second), DecodeTask) == [("q2", "d1" if _SHARE_WEIGHT <= 1.5 else "d0")]
 
 
 # --- decodes that run slow take no more -----------------------------------------------------

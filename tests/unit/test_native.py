@@ -153,9 +153,9 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
         native.store(keys, stamp, holder, tiers, 60, [1], 0, 1 << 40, 1, 0, 0, 0, 0, 10)
     fleet = [np.zeros(3) for _ in range(7)]
     with pytest.raises(ValueError, match="differ in length"):  # a rank of another fleet's size
-        native.choose_decode(*fleet[:3], np.zeros(2, dtype=np.int64), np.array([0], dtype=np.intp), 10, None)
+        native.choose_decode(*fleet[:3], np.zeros(2, dtype=np.int64), np.array([0], dtype=np.intp), 10, None, 1.0)
     with pytest.raises(IndexError, match="past the fleet"):
-        native.choose_decode(*fleet[:3], np.zeros(3, dtype=np.int64), np.array([3], dtype=np.intp), 10, None)
+        native.choose_decode(*fleet[:3], np.zeros(3, dtype=np.int64), np.array([3], dtype=np.intp), 10, None, 1.0)
     scalars = (10, 16, 0.0, 10, False, 1.0, 4.0, True)  # prompt .. kv_tie
     with pytest.raises(IndexError, match="past the fleet"):
         native.choose_prefill(
