@@ -567,7 +567,14 @@ class SchedulerCore:
         if not colocated or not self._slo_aware_on or tracked.decode_started is None or tracked.phase != "decode":
             return
         tpot = (now - tracked.decode_started) / max(1, finished.generated_tokens - 1)
-        self._lending.observe(tracked.worker_id in self.fleet.lent, tpot)
+        lent = tracked.worker_id in self.fleet.lent
+        self._lending.observe(lent, tpot)
+        step_s, generated = finished.step_s, finished.generated_tokens
+        if lent and not tracked.local and 0 <= step_s < math.inf and (step_s > 0 or generated <= 2):
+            # Its steps here took step_s each from the first one on: before it, the handoff.
+            # (A step_s of 0 over more steps: a worker that does not measure them.)
+            steps = step_s * max(0, generated - 2)
+            self._lending.observe_handoff(now - tracked.decode_started - steps, tracked.prompt_tokens)
         self.fleet.decode_slack = self._lending.tpot[False] < _DECODE_SLACK * self.config.tpot_slo_s
         late_waiting = lambda: self._queue.late_tokens > 0  # noqa: E731 (the queue keeps the count)
         if self._lending.decide(self.fleet, late_waiting, max(1.0, self._decode_s), now) is not None:
@@ -892,8 +899,18 @@ class SchedulerCore:
             self.fleet.mark_filled(worker)
         if worker.role == "both":
             worker.placed_tokens += placement.tokens
-        # A colocated worker decodes what it prefilled, unless some are lent to decoding.
-        local = placement.kind == "local" or (worker.role == "both" and not self.fleet.lent)
+        # A colocated worker decodes what it prefilled, unless some are lent to decoding and
+        # the request's handoff is cheap for its answer (``Lending.keeps_local``).
+        local = placement.kind == "local" or (
+            worker.role == "both"
+            and (
+                not self.fleet.lent
+                or (
+                    worker.worker_id not in self.fleet.lent
+                    and self._lending.keeps_local(tracked.prompt_tokens, spec.sampling.max_tokens)
+                )
+            )
+        )
         tracked.phase, tracked.worker_id, tracked.local = "prefill", worker.worker_id, local
         tracked.attempts += 1
         queued_s = max(0.0, now - tracked.enqueued_at)

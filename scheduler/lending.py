@@ -30,6 +30,16 @@ The time per output token of a finished decode is its decode time over its token
 the first, as the core sees it (from its placement to its ``RequestFinished``): a
 request's whole decode, not its worker's state now. Averaged over about
 ``1 / _WEIGHT`` decodes, per group (lent or not).
+
+Handing a request over is not free: its KV crosses to the lent worker before the first
+decode step there, and a long prompt's transfer spread over a short answer is a slow time
+per token by itself (a 40,000-token prompt and a 5-token answer: ~130 ms of handoff, 33
+ms a token on a 50 ms SLO). Disaggregation is chosen per request (``keeps_local``): a
+request whose handoff, at the rate measured on the lent workers (``observe_handoff``: how a
+handed-over decode's time from its placement to its first step there grows with its
+prompt), would cost more than ``_LOCAL_SHARE``
+of the TPOT SLO a token of its ``max_tokens`` decodes where it was prefilled, as it would
+with none lent. Until a handoff was measured every request is handed over.
 """
 
 from __future__ import annotations
@@ -45,6 +55,11 @@ _SLOW = 0.85  # lend another worker when decodes take more than this share of th
 _QUICK = 0.6  # ...take one back when the lent ones take less, and prefill is short
 _LANE = 0.8  # ...and give the lent ones short prompts while their decodes take less
 _WEIGHT = 0.05
+# A request decodes where it was prefilled when its handoff would cost more than this share of
+# the TPOT SLO a token. 0.1 and 0.25 gave the same within 3 % on every colocated case
+# (docs/bench-sim.md, "Handed over only where the handoff is cheap for the answer").
+_LOCAL_SHARE = 0.25
+_HANDOFF_WEIGHT = 0.02  # the handoff's line: averaged over about 50 handovers
 
 
 class Lending:
@@ -55,6 +70,48 @@ class Lending:
         self._changed_at = -math.inf
         self.lent_total = 0  # lendings so far, and takings back
         self.taken_back = 0
+        # Averages of (prompt tokens, seconds to the first step, their squares and product) of
+        # handed-over decodes (``observe_handoff``).
+        self._handoff: tuple[float, float, float, float] | None = None
+        self.kept_local = 0  # requests decoded where they were prefilled for their handoff's cost
+
+    def observe_handoff(self, first_step_s: float, prompt_tokens: int) -> None:
+        """A decode handed over to a lent worker took ``first_step_s`` from its placement to
+        its first step there (the KV handoff, and joining a step), for a prompt of
+        ``prompt_tokens``. Kept as running averages of a line through those points
+        (``handoff_s_per_token``: its slope), since only the part that grows with the prompt
+        is the handoff's own: a local decode joins a step too."""
+        if not (0 <= first_step_s < math.inf) or prompt_tokens <= 0:
+            return
+        x, y = float(prompt_tokens), first_step_s
+        point = (x, y, x * x, x * y)
+        if self._handoff is None:
+            self._handoff = point
+        else:
+            self._handoff = tuple(  # type: ignore[assignment]
+                (1 - _HANDOFF_WEIGHT) * a + _HANDOFF_WEIGHT * b for a, b in zip(self._handoff, point, strict=True)
+            )
+
+    def handoff_s_per_token(self) -> float | None:
+        """Seconds of handoff a prompt token (the slope of the line through the handoffs
+        measured lately); None before prompts of different lengths were measured."""
+        if self._handoff is None:
+            return None
+        x, y, xx, xy = self._handoff
+        spread = xx - x * x
+        if spread <= 1e-9 * xx:
+            return None
+        return max(0.0, (xy - x * y) / spread)
+
+    def keeps_local(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request prefilled on a colocated worker not lent decodes there: its
+        handoff over its answer would cost more than ``_LOCAL_SHARE`` of the TPOT SLO a token."""
+        per_token = self.handoff_s_per_token()
+        if self.slo_s <= 0 or per_token is None:
+            return False
+        keep = prompt_tokens * per_token / max(1, max_tokens - 1) > _LOCAL_SHARE * self.slo_s
+        self.kept_local += keep
+        return keep
 
     def observe(self, lent: bool, tpot_s: float) -> None:
         if self._seen[lent]:

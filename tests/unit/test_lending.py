@@ -240,6 +240,21 @@ class TestTheCore:
         (medium,) = dispatches(h.admit(make_spec("medium", prompt_len=1_000)))
         assert isinstance(medium.task, PrefillTask) and medium.worker_id != lent
 
+    def test_once_handoffs_were_measured_a_long_prompt_with_a_short_answer_decodes_in_place(self) -> None:
+        h = self.core()
+        lent = self.lent_and_quick(h)
+        for i, size in enumerate((2_000, 20_000)):  # handoffs of 3 us a token, beside a 20 ms step
+            spec = make_spec(f"h{i}", prompt_len=size, max_tokens=21)
+            (prefill,) = dispatches(h.admit(spec))
+            h.event(prefill_done(spec, prefill.worker_id, prefill_s=0.1))
+            h.clock.advance(0.02 + size * 3e-6 + 19 * 0.02)
+            h.event(request_finished(spec, lent, generated=21, step_s=0.02))
+        assert h.core._lending.handoff_s_per_token() == pytest.approx(3e-6, rel=1e-3)
+        (short,) = dispatches(h.admit(make_spec("short-answer", prompt_len=30_000, max_tokens=3)))
+        assert isinstance(short.task, LocalTask) and short.worker_id != lent  # 45 ms a token to hand over
+        (long,) = dispatches(h.admit(make_spec("long-answer", prompt_len=30_000, max_tokens=300)))
+        assert isinstance(long.task, PrefillTask) and long.worker_id != lent  # 0.3 ms a token
+
     def lent_holding(self, cached: int, left: int) -> tuple[Colocated, str, list[int]]:
         """``lent_and_quick``, with ``cached`` tokens of a document on the lent worker's
         device; the core, the lent worker, and a follow-up's prompt: the document and
@@ -276,3 +291,39 @@ class TestTheCore:
             h.admit(make_spec(f"long{i}", prompt_len=8_000))
         (short,) = dispatches(h.admit(make_spec("short", prompt_len=100)))
         assert isinstance(short.task, PrefillTask) and short.worker_id != lent
+
+
+# --- disaggregation per request: a handoff that would cost the answer its TPOT ----------------------
+
+
+def test_the_handoffs_cost_a_token_is_the_slope_of_their_times_not_the_step_they_join() -> None:
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    assert lending.handoff_s_per_token() is None
+    lending.observe_handoff(0.05 + 1_000 * 3e-6, 1_000)
+    assert lending.handoff_s_per_token() is None  # one prompt length: no slope yet
+    for _ in range(50):
+        lending.observe_handoff(0.05 + 20_000 * 3e-6, 20_000)  # a 50 ms step joined, 3 us a token moved
+        lending.observe_handoff(0.05 + 2_000 * 3e-6, 2_000)
+    assert lending.handoff_s_per_token() == pytest.approx(3e-6, rel=1e-6)
+    for broken in (float("nan"), float("inf"), -1.0):
+        lending.observe_handoff(broken, 50_000)  # a broken worker's figures change nothing
+    assert lending.handoff_s_per_token() == pytest.approx(3e-6, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "local"),
+    [
+        (40_000, 5, True),  # 120 ms of handoff over 4 tokens: 30 ms a token, over a quarter of 50
+        (40_000, 200, False),  # the same over 199 tokens: 0.6 ms
+        (4_000, 5, False),  # 3 ms a token
+    ],
+)
+def test_a_request_decodes_where_it_was_prefilled_when_its_handoff_would_cost_its_tpot(
+    prompt: int, max_tokens: int, local: bool
+) -> None:
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    assert not lending.keeps_local(prompt, max_tokens)  # nothing measured: handed over
+    for size in (2_000, 20_000):
+        lending.observe_handoff(0.05 + size * 3e-6, size)
+    assert lending.keeps_local(prompt, max_tokens) is local
+    assert not Lending(SchedulerConfig(tpot_slo_s=0.0)).keeps_local(prompt, max_tokens)  # no TPOT SLO
