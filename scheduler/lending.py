@@ -35,11 +35,11 @@ Handing a request over is not free: its KV crosses to the lent worker before the
 decode step there, and a long prompt's transfer spread over a short answer is a slow time
 per token by itself (a 40,000-token prompt and a 5-token answer: ~130 ms of handoff, 33
 ms a token on a 50 ms SLO). Disaggregation is chosen per request (``keeps_local``): a
-request whose handoff, at the rate measured on the lent workers (``observe_handoff``: how a
-handed-over decode's time from its placement to its first step there grows with its
-prompt), would cost more than ``_LOCAL_SHARE``
-of the TPOT SLO a token of its ``max_tokens`` decodes where it was prefilled, as it would
-with none lent. Until a handoff was measured every request is handed over.
+request whose handoff, at the rate measured on the lent workers (``observe_handoff``: how
+a handed-over decode's time from its placement to its first step there grows with its
+prompt), would cost more than ``_LOCAL_SHARE`` of the TPOT SLO a token of its
+``max_tokens`` decodes where it was prefilled, as it would with none lent. Until a
+handoff was measured every request is handed over.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ _LANE = 0.8  # ...and give the lent ones short prompts while their decodes take 
 _WEIGHT = 0.05
 # A request decodes where it was prefilled when its handoff would cost more than this share of
 # the TPOT SLO a token. 0.1 and 0.25 gave the same within 3 % on every colocated case
-# (docs/bench-sim.md, "Handed over only where the handoff is cheap for the answer").
+# (docs/bench-sim.md, "Decodes of one prompt kept together; handed over only where ...").
 _LOCAL_SHARE = 0.25
 _HANDOFF_WEIGHT = 0.02  # the handoff's line: averaged over about 50 handovers
 
