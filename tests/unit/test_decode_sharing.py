@@ -77,6 +77,8 @@ def test_saved_is_what_the_counts_say_through_random_adds_and_removes() -> None:
 # --- the scheduler -----------------------------------------------------------------------
 
 PREFIX = prompt_of(36 * BLOCK_SIZE, start=11)  # 576 tokens, 36 full blocks
+# Prompts that must share nothing with PREFIX name their own start: ``make_spec``'s counter
+# reaches 11 in some orders of the suite (pytest-xdist), which gives PREFIX itself.
 
 
 def _spec(rid: str, tail: int, prefix: list[int] = PREFIX, max_tokens: int = 10):
@@ -92,7 +94,7 @@ def _prefilled(h: Harness, spec) -> list:
 def test_a_decode_sharing_a_prompt_fits_where_its_whole_kv_would_not() -> None:
     h = Harness()
     cluster(h, {"p0": 100_000}, {"d0": 1000, "d1": 1000})
-    a, c, b = _spec("a", 1), make_spec("c", prompt_len=600, max_tokens=10), _spec("b", 2)
+    a, c, b = _spec("a", 1), make_spec("c", prompt=prompt_of(600, start=2_001), max_tokens=10), _spec("b", 2)
     assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d0")]
     assert dispatched(_prefilled(h, c), DecodeTask) == [("c", "d1")]
     assert h.load("d0") == h.load("d1") == 610
@@ -108,7 +110,7 @@ def test_a_decode_sharing_a_prompt_fits_where_its_whole_kv_would_not() -> None:
 def test_a_decode_goes_where_its_prompt_is_held_unless_another_is_emptier_still() -> None:
     h = Harness()
     cluster(h, {"p0": 100_000}, {"d0": 10_000, "d1": 10_000})
-    a, c = _spec("a", 1), make_spec("c", prompt_len=300, max_tokens=10)
+    a, c = _spec("a", 1), make_spec("c", prompt=prompt_of(300, start=2_002), max_tokens=10)
     assert dispatched(_prefilled(h, a), DecodeTask) == [("a", "d0")]
     assert dispatched(_prefilled(h, c), DecodeTask) == [("c", "d1")]
     # d0 holds 610 and d1 310, but b would add 34 to d0 and 610 to d1.
@@ -210,7 +212,7 @@ def test_a_cached_prompt_weighs_its_tokens_share_weight_times_no_more(spare: int
     d0 caches, ``_SHARE_WEIGHT`` times, outweigh those 2,010."""
     h = Harness()
     cluster(h, {"p0": 100_000}, {"d0": 10_000, "d1": 10_000})
-    big = make_spec("big", prompt_len=2_000, max_tokens=10)
+    big = make_spec("big", prompt=prompt_of(2_000, start=2_003), max_tokens=10)
     assert dispatched(_prefilled(h, big), DecodeTask) == [("big", "d0")]
     a = _spec("a", 1)
     blocks = math.floor(2_010 / (_SHARE_WEIGHT * BLOCK_SIZE)) + (1 if spare > 0 else 0)
@@ -227,9 +229,9 @@ def test_decodes_sharing_a_prompt_stay_together_while_it_outweighs_the_load() ->
     doc = list(range(1_000, 1_000 + 64 * BLOCK_SIZE))  # 1,024 tokens
     first = make_spec("q1", prompt=doc + [7] * BLOCK_SIZE, max_tokens=10)
     assert dispatched(_prefilled(h, first), DecodeTask) == [("q1", "d0")]  # d0 1,050
-    x = make_spec("x", prompt_len=1_500, max_tokens=10)
+    x = make_spec("x", prompt=prompt_of(1_500, start=2_004), max_tokens=10)
     assert dispatched(_prefilled(h, x), DecodeTask) == [("x", "d1")]  # d1 1,510
-    y = make_spec("y", prompt_len=2_000, max_tokens=10)
+    y = make_spec("y", prompt=prompt_of(2_000, start=2_005), max_tokens=10)
     assert dispatched(_prefilled(h, y), DecodeTask) == [("y", "d0")]  # d0 3,060: heavier by 1,550
     second = make_spec("q2", prompt=doc + [8] * BLOCK_SIZE, max_tokens=10)
     assert dispatched(_prefilled(h, second), DecodeTask) == [("q2", "d1" if _SHARE_WEIGHT <= 1.5 else "d0")]
@@ -267,7 +269,7 @@ def test_decodes_running_slow_take_no_more_but_on_an_idle_worker() -> None:
     placed, h = _three_after(_slow_fleet(), 0.06)  # 60 ms a token against a 50 ms SLO
     assert placed == ["d0", "d1"]  # each to an idle worker; c waits for room
     assert h.phase("c") == "awaiting_decode"
-    reply, _ = h.submit(make_spec("d", prompt_len=100, max_tokens=10))
+    reply, _ = h.submit(make_spec("d", prompt=prompt_of(100, start=2_011), max_tokens=10))
     assert reply.reason == "overloaded" and "wait for room" in reply.message  # type: ignore[union-attr]
     h.clock.advance(0.2)
     assert dispatched(h.event(request_finished(h.core.requests["a"].spec, "d0")), DecodeTask) == [("c", "d0")]
@@ -284,7 +286,7 @@ def test_a_slow_handoff_is_not_a_slow_decode() -> None:
     not shorten a handoff, and the fleet may be idle."""
     placed, h = _three_after(_slow_fleet(), 0.02, handoff_s=0.63)
     assert placed == ["d0", "d1", "d0"]
-    assert isinstance(h.submit(make_spec("d", prompt_len=100, max_tokens=10))[0], Admitted)
+    assert isinstance(h.submit(make_spec("d", prompt=prompt_of(100, start=2_012), max_tokens=10))[0], Admitted)
 
 
 def test_decodes_of_one_step_teach_nothing() -> None:
@@ -300,7 +302,7 @@ def test_a_step_time_that_is_no_time_teaches_nothing(garbage: float) -> None:
     """A broken worker's step time (NaN or inf would stay in the average for good) is
     ignored: the decode workers stay open."""
     h = _slow_fleet()
-    _decode(h, make_spec("broken", prompt_len=100, max_tokens=10), 0.2, garbage)
+    _decode(h, make_spec("broken", prompt=prompt_of(100, start=2_013), max_tokens=10), 0.2, garbage)
     placed, h = _three_after(h, 0.02)
     assert placed == ["d0", "d1", "d0"]
 
@@ -322,7 +324,7 @@ def test_a_lent_worker_holds_a_shared_prompt_once_and_takes_a_decode_sharing_it(
     lent = fleet.workers["b"]
     a, b = _spec("a", 1, max_tokens=2_750), _spec("b", 2, max_tokens=2_750)  # 3,350 KV tokens each
     lent.hold_decode("a", 3_350, math.inf, a.block_keys)
-    lent.hold_decode("x", 3_350, math.inf, make_spec("x", prompt_len=600).block_keys)
+    lent.hold_decode("x", 3_350, math.inf, make_spec("x", prompt=prompt_of(600, start=2_014)).block_keys)
     assert pick_decode(fleet, 3_350, b) is lent  # 6,700 + 3,350 - 576: within 10,000
     assert pick_decode(fleet, 3_350) is fleet.workers["a"]  # counted whole it would not fit
     lent.hold_decode("b", 3_350, math.inf, b.block_keys)
