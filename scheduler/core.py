@@ -891,6 +891,16 @@ class SchedulerCore:
             actions += self._place_prefill(tracked, placement, now)
         return actions
 
+    def _decodes_in_place(self, tracked: Tracked, worker: WorkerState) -> bool:
+        """Whether a colocated worker decodes what it prefills: unless some are lent to
+        decoding and the request's handoff is cheap for its answer (``Lending.keeps_local``)."""
+        lent = self.fleet.lent
+        if not lent:
+            return True
+        if worker.worker_id in lent:
+            return False
+        return self._lending.keeps_local(tracked.prompt_tokens, tracked.spec.sampling.max_tokens)
+
     def _place_prefill(self, tracked: Tracked, placement: Placement, now: float) -> list[Action]:
         worker, spec = placement.worker, tracked.spec
         tracked.dispatched_at, tracked.ahead_tokens = now, worker.load_tokens + placement.tokens
@@ -899,18 +909,7 @@ class SchedulerCore:
             self.fleet.mark_filled(worker)
         if worker.role == "both":
             worker.placed_tokens += placement.tokens
-        # A colocated worker decodes what it prefilled, unless some are lent to decoding and
-        # the request's handoff is cheap for its answer (``Lending.keeps_local``).
-        local = placement.kind == "local" or (
-            worker.role == "both"
-            and (
-                not self.fleet.lent
-                or (
-                    worker.worker_id not in self.fleet.lent
-                    and self._lending.keeps_local(tracked.prompt_tokens, spec.sampling.max_tokens)
-                )
-            )
-        )
+        local = placement.kind == "local" or (worker.role == "both" and self._decodes_in_place(tracked, worker))
         tracked.phase, tracked.worker_id, tracked.local = "prefill", worker.worker_id, local
         tracked.attempts += 1
         queued_s = max(0.0, now - tracked.enqueued_at)

@@ -73,7 +73,6 @@ class Lending:
         # Averages of (prompt tokens, seconds to the first step, their squares and product) of
         # handed-over decodes (``observe_handoff``).
         self._handoff: tuple[float, float, float, float] | None = None
-        self.kept_local = 0  # requests decoded where they were prefilled for their handoff's cost
 
     def observe_handoff(self, first_step_s: float, prompt_tokens: int) -> None:
         """A decode handed over to a lent worker took ``first_step_s`` from its placement to
@@ -109,9 +108,7 @@ class Lending:
         per_token = self.handoff_s_per_token()
         if self.slo_s <= 0 or per_token is None:
             return False
-        keep = prompt_tokens * per_token / max(1, max_tokens - 1) > _LOCAL_SHARE * self.slo_s
-        self.kept_local += keep
-        return keep
+        return prompt_tokens * per_token / max(1, max_tokens - 1) > _LOCAL_SHARE * self.slo_s
 
     def observe(self, lent: bool, tpot_s: float) -> None:
         if self._seen[lent]:

@@ -207,8 +207,8 @@ class Placer:
         """Where a prefilled request decodes: of the decode workers it fits (its KV less
         the prompt blocks decodes there already hold, ``WorkerState.assign_decode``), the
         least loaded once those blocks are taken off ``_SHARE_WEIGHT`` times (``decode_cost``),
-        or the prompt blocks its device still caches where more (they need no handoff: the KV connector loads only
-        what the device lacks; ``_decode_by_slot``); for a peer, the one
+        or the prompt blocks its device still caches where more (they need no handoff: the KV
+        connector loads only what the device lacks; ``_decode_by_slot``); for a peer, the one
         its own decode routing picks among them (``_peer_decode``). ``idle_only``: of the
         decode workers decoding nothing (the core's decodes run slow, ``_DECODE_FULL``)."""
         tokens, spec = request.decode_tokens, request.spec  # computed once, not once a worker

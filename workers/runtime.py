@@ -280,6 +280,10 @@ class WorkerRuntime:
         worker that no longer runs it (it was refused as "already decoding" until the old
         run ended on its own, and the request failed once its dispatches were spent)."""
         log.info("%s: attempt %d supersedes attempt %d held here; ending that one", request_id, attempt, held)
+        self._end_run(request_id)
+
+    def _end_run(self, request_id: str) -> None:
+        """Stop the request's run here and forget it (a cancel, or a later attempt)."""
         self.role.cancel(request_id)
         self.held.cancelled(request_id)
 
@@ -291,8 +295,7 @@ class WorkerRuntime:
                 self._cancelled.popitem(last=False)
             held = self.held.attempt(cancel.request_id)
             if held is None or cancel.covers(held):  # a newer run of it is not this cancel's
-                self.role.cancel(cancel.request_id)
-                self.held.cancelled(cancel.request_id)
+                self._end_run(cancel.request_id)
 
     async def _serve_roll_calls(self, sub: Subscription, bus: WorkerBus) -> None:
         async for _, roll_call in decoded(sub, codec.ROLL_CALL, "roll call"):
