@@ -4,10 +4,15 @@ real HTTP API.
 
 A TPOT SLO no CPU engine can keep (1 ms) makes the scheduler lend one worker to decoding
 after the first request; from then on the other prefills (``PrefillTask`` on a colocated
-worker, its connector role ``kv_both``) and hands the KV to the lent one. What the test
-proves, from the engines' own events rather than timing: every greedy output is one
-engine's output alone, requests were handed from one colocated engine to the other, and
-the lent engine loaded every whole block it was handed (it did not recompute).
+worker, its connector role ``kv_both``) and hands the KV to the lent one, until the
+scheduler has measured what a handoff costs a prompt token (two handoffs of prompts of
+different lengths). After that, each request whose handoff over its 16-token answer costs
+more than a quarter of that SLO a token decodes where it was prefilled
+(``Lending.keeps_local``): with a 1 ms SLO, most or all of them, depending on this
+machine's speed. What the test proves, from the engines' own events rather than timing:
+every greedy output is one engine's output alone, requests were handed from one
+colocated engine to the other, and the lent engine loaded every whole block it was
+handed (it did not recompute).
 """
 
 from __future__ import annotations
@@ -38,5 +43,6 @@ def test_colocated_engines_hand_off_and_keep_one_engines_greedy_output(stack, re
         if prefilled[0].worker_id != finished.worker_id:  # prefilled on one, decoded on the other
             handed += 1
             assert_loaded(prompt, finished)
-    # The first decode ran slower than the SLO: a worker was lent, and the rest were handed to it.
-    assert handed >= len(references["prompts"]) - 2, handed
+    # The first decode ran slower than the SLO: a worker was lent, and the next requests were
+    # handed to it at least until two handoffs had measured the handoff's cost.
+    assert handed >= 2, handed
