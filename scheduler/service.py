@@ -36,6 +36,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,6 +92,13 @@ _NO_RESPONDERS = "503"
 # Snapshots waiting for a fetcher. The core asks at most one per worker at a time, so
 # this bounds the fleet the scheduler can resync at once, not the work it can do.
 _SNAPSHOT_QUEUE = 4096
+# Runs this scheduler knows a worker holds (it dispatched them there, or adopted them from
+# that worker's answer), by request id, the latest last: an audit cancels a stray run only
+# if it is one of these (``Audit.strays``). A worker, which may not publish cancels, cannot
+# have the scheduler cancel a run it never held, nor flood the bus with cancels by naming
+# made-up ids. Runs live minutes; at 1,000 requests a second a run older than about a
+# minute falls out, and its stray is then dropped from the answer without a cancel.
+_PLACED_REMEMBERED = 65_536
 
 
 def _brief(session: str) -> str:
@@ -129,6 +137,8 @@ class SchedulerService:
         self._answer = anyio.Event()  # set at each answer
         self._audit: Audit | None = None  # after the bus may have lost messages (scheduler.audit)
         self.strays_cancelled = 0  # runs a worker still held after they ended here (Audit.strays)
+        self.strays_ignored = 0  # claimed in an audit's answer, never placed there by this scheduler
+        self._placed: OrderedDict[str, tuple[str, int]] = OrderedDict()  # _PLACED_REMEMBERED
         self._bus_losses = (0, 0)  # reconnects and drops the last audit covered
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -251,7 +261,7 @@ class SchedulerService:
                     await self._reply(msg.reply, self.core.status())
 
     def _keep(self, data: bytes, spec: RequestSpec, reply: str | None, headers: dict[str, str]) -> None:
-        self._shadow.submitted(Shadowed(spec.request_id, data, reply or None, headers, self._clock()))
+        self._shadow.submitted(Shadowed(spec.request_id, data, reply or None, headers, self._clock(), spec.attempt))
 
     async def _admit(self, spec: RequestSpec, headers: dict[str, str], reply_to: str | None) -> None:
         ctx = tracing.extract(headers)
@@ -281,6 +291,9 @@ class SchedulerService:
                 if strays:  # ended here, their cancels lost: ended there too, not adopted
                     await self._cancel_strays(event.worker_id, strays)
                     event = msgspec.structs.replace(event, held=[h for h in event.held if h not in strays])
+            if isinstance(event, LoadReport) and event.held:
+                for held in event.held:  # adopted, or known already: its run is on that worker
+                    self._remember_placed(held.request_id, event.worker_id, held.attempt)
             actions = self.core.on_event(event, self._clock())
             if isinstance(event, LoadReport) and event.held is not None:
                 self._answered.add(event.worker_id)
@@ -294,11 +307,27 @@ class SchedulerService:
         """Cancel runs a worker holds that ended here (``Audit.strays``), each up to its own
         attempt: a later one the ingress submits since is not theirs to end."""
         assert self._nc is not None
-        log.warning("audit: %s still ran %d requests that had ended; cancelling them", worker_id, len(strays))
-        self.strays_cancelled += len(strays)
-        for held in strays:
+        ours = [h for h in strays if self._placed.get(h.request_id) == (worker_id, h.attempt)]
+        if len(ours) < len(strays):
+            self.strays_ignored += len(strays) - len(ours)
+            log.warning(
+                "audit: %s answered with %d runs this scheduler never placed there; ignoring them",
+                worker_id,
+                len(strays) - len(ours),
+            )
+        if not ours:
+            return
+        log.warning("audit: %s still ran %d requests that had ended; cancelling them", worker_id, len(ours))
+        self.strays_cancelled += len(ours)
+        for held in ours:
             cancel = Cancel(request_id=held.request_id, reason="ended", attempt=held.attempt)
             await self._nc.publish(subjects.CANCEL, codec.CANCEL.encode(cancel))
+
+    def _remember_placed(self, request_id: str, worker_id: str, attempt: int) -> None:
+        self._placed[request_id] = (worker_id, attempt)
+        self._placed.move_to_end(request_id)
+        if len(self._placed) > _PLACED_REMEMBERED:
+            self._placed.popitem(last=False)
 
     def _give_prompts(self, held: list[HeldRequest]) -> None:
         """Adopted requests whose submits the standby kept get their prompts at once."""
@@ -328,7 +357,7 @@ class SchedulerService:
     async def _serve_cancels(self, sub: Subscription) -> None:
         async for _, cancel in decoded(sub, codec.CANCEL, "cancel"):
             if not self._settled.is_set():  # what the shadow kept ends here too
-                self._shadow.ended(cancel.request_id)
+                self._shadow.cancelled(cancel)
             if not self.active.is_set():
                 continue
             await self._act(self.core.on_cancel(cancel.request_id, self._clock(), cancel.attempt))
@@ -515,6 +544,7 @@ class SchedulerService:
         await self._to_ingress(
             action.task.spec.ingress_id, StreamChunk(request_id=rid, seq=0, assigned=action.worker_id)
         )
+        self._remember_placed(rid, action.worker_id, action.task.spec.attempt)
         token = str(next(self._tokens))
         self._pending[token] = _PendingAck(action.worker_id, rid, self._clock() + self.config.dispatch_timeout_s)
         await self._nc.publish(

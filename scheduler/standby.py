@@ -28,7 +28,7 @@ from typing import Literal
 
 import msgspec
 
-from switchyard.schemas import Admitted, PrefillDone, Rejected, codec
+from switchyard.schemas import Admitted, Cancel, PrefillDone, Rejected, codec
 
 Settlement = Literal["adopted", "decode", "queue", "admit"]
 
@@ -40,6 +40,7 @@ class Shadowed:
     reply: str | None  # where its submitter waits (or waited) for the answer
     headers: dict[str, str]
     received_at: float
+    attempt: int = 0  # the spec's: a cancel of earlier attempts leaves this one kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,14 @@ class SubmitShadow:
             self._waiting.pop(entry.reply, None)
         self._admitted.discard(request_id)
         self._prefilled.pop(request_id, None)
+
+    def cancelled(self, cancel: Cancel) -> None:
+        """A cancel ends the kept submit only if it covers the kept attempt: the ingress
+        cancels a run before it submits the next attempt of the request, and the active
+        scheduler's audit cancels a worker's stray run of an earlier attempt."""
+        entry = self._entries.get(cancel.request_id)
+        if entry is not None and cancel.covers(entry.attempt):
+            self.ended(cancel.request_id)
 
     def get(self, request_id: str) -> Shadowed | None:
         return self._entries.get(request_id)

@@ -344,38 +344,51 @@ async def test_a_later_attempt_ends_the_run_whose_cancel_the_worker_missed(nats)
 
 
 async def test_after_the_bus_came_back_runs_that_ended_here_are_cancelled_not_adopted(tmp_path):
-    """A run the scheduler does not track, still held by a worker after nats-server
-    restarted, is one whose cancel the worker missed: the scheduler's audit ends it (its
-    KV would otherwise stay held for nobody) instead of adopting it."""
+    """A run the scheduler placed and no longer tracks, still held by its worker after
+    nats-server restarted, is one whose cancel the worker missed: the scheduler's audit ends
+    it (its KV would otherwise stay held for nobody) instead of adopting it. A run the
+    scheduler never placed on that worker is neither cancelled nor adopted: a worker cannot
+    have the scheduler cancel what it names."""
     port = procs.free_port()
     url = f"nats://127.0.0.1:{port}"
     command = procs.nats_server_command("127.0.0.1", port, str(tmp_path))
     server = procs.spawn(command, stdout=subprocess.DEVNULL)
     procs.wait_for_port("127.0.0.1", port, 10.0, server)
     sched = SchedulerService(SchedulerServiceConfig(nats_url=url, core=SchedulerConfig(worker_expiry_s=30)))
+    prefill = build_worker(worker_config(url, "prefill"))
     decode = build_worker(worker_config(url, "decode", SimCostModel(decode_step_base_s=0.01)))
-    spec = _spec("stray", max_tokens=3000)  # 30 s of decoding unless cancelled
+    placed = _spec("placed", max_tokens=3000)  # 30 s of decoding unless cancelled
+    unknown = _spec("unknown", max_tokens=3000)
     task = DecodeTask(
-        spec=spec,
-        handle=SimKvHandle(worker_id="p", block_keys=[], num_tokens=len(spec.prompt_tokens)),
+        spec=unknown,
+        handle=SimKvHandle(worker_id="p", block_keys=[], num_tokens=len(unknown.prompt_tokens)),
         first_token=7,
-        usage=PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0),
+        usage=PromptUsage(prompt_tokens=len(unknown.prompt_tokens), cached_tokens=0),
     )
     try:
         async with connect(url, "test") as nc, anyio.create_task_group() as tg:
             await tg.start(sched.run)
+            await tg.start(prefill.run)
             await tg.start(decode.run)
-            await _wait(lambda: len(sched.core.workers) == 1)
+            await _wait(lambda: len(sched.core.workers) == 2)
+            submit = SubmitRequest(spec=placed)
+            reply = await nc.request(subjects.SUBMIT, codec.SCHEDULER_REQUEST.encode(submit), timeout=5)
+            assert type(codec.SCHEDULER_REPLY.decode(reply.data)).__name__ == "Admitted"
+            await _wait(lambda: decode.held.attempt("placed") == 0)
             reply = await nc.request(subjects.worker_tasks(decode.config.worker_id), codec.WORKER_TASK.encode(task), 5)
             assert codec.TASK_ACK.decode(reply.data).accepted  # the scheduler never placed it
-            await _wait(lambda: decode.role.running() == 1)
+            await _wait(lambda: decode.role.running() == 2)
+            # The client's cancel as only the scheduler heard it (its own path for a cancel).
+            await sched._act(sched.core.on_cancel("placed", sched._clock()))
+            assert "placed" not in sched.core.requests and decode.role.running() == 2
             server.kill()
             server.wait()
             server = procs.spawn(command, stdout=subprocess.DEVNULL)
             procs.wait_for_port("127.0.0.1", port, 10.0, server)
-            await _wait(lambda: sched.strays_cancelled == 1, timeout_s=15)
-            await _wait(lambda: decode.role.running() == 0 and decode.held.attempt("stray") is None)
-            assert "stray" not in sched.core.requests  # not adopted: nothing charged for it
+            await _wait(lambda: sched.strays_cancelled == 1 and sched.strays_ignored >= 1, timeout_s=15)
+            await _wait(lambda: decode.held.attempt("placed") is None)
+            assert decode.held.attempt("unknown") == 0  # not cancelled on the worker's word
+            assert "placed" not in sched.core.requests and "unknown" not in sched.core.requests  # not adopted
             assert sched.core.ledger() == {}
             tg.cancel_scope.cancel()
     finally:

@@ -10,7 +10,7 @@ import pytest
 from switchyard.scheduler import Dispatch, FailStream, SchedulerConfig, SchedulerCore
 from switchyard.scheduler.lease import LeaseState
 from switchyard.scheduler.standby import Shadowed, SubmitShadow, settlement
-from switchyard.schemas import Admitted, DecodeTask, KvSnapshot, LoadReport, PrefillTask, Rejected
+from switchyard.schemas import Admitted, Cancel, DecodeTask, KvSnapshot, LoadReport, PrefillTask, Rejected
 from switchyard.schemas.codec import Codec
 from switchyard.workers.runtime import HeldLedger
 from tests.support.factories import FakeClock, load_report, make_spec, prefill_done, request_finished
@@ -174,8 +174,25 @@ def test_an_adopted_prefill_whose_prompt_never_comes_fails_cleanly():
 # --- what a standby keeps ----------------------------------------------------------------
 
 
-def _kept(rid: str, size: int = 10, at: float = 0.0) -> Shadowed:
-    return Shadowed(request_id=rid, data=b"x" * size, reply=f"_INBOX.{rid}", headers={}, received_at=at)
+def _kept(rid: str, size: int = 10, at: float = 0.0, attempt: int = 0) -> Shadowed:
+    return Shadowed(
+        request_id=rid, data=b"x" * size, reply=f"_INBOX.{rid}", headers={}, received_at=at, attempt=attempt
+    )
+
+
+def test_a_standby_keeps_a_later_attempt_through_a_cancel_of_an_earlier_one():
+    """The ingress cancels attempt 0 before it submits attempt 1, and the active scheduler's
+    audit may cancel a worker's stray run of attempt 0 after that: neither ends attempt 1."""
+    shadow = SubmitShadow(max_bytes=1000)
+    shadow.submitted(_kept("r", attempt=1))
+    shadow.cancelled(Cancel(request_id="r", reason="ended", attempt=0))
+    assert shadow.get("r") is not None
+    shadow.cancelled(Cancel(request_id="r", reason="client_gone", attempt=1))
+    assert shadow.get("r") is None
+    shadow.submitted(_kept("s", attempt=3))
+    shadow.cancelled(Cancel(request_id="s", reason="client_gone"))  # every attempt
+    shadow.cancelled(Cancel(request_id="never-seen", reason="client_gone"))
+    assert len(shadow) == 0
 
 
 def test_a_standby_keeps_submits_until_they_end_within_its_bytes():
