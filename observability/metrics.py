@@ -150,6 +150,18 @@ class ServingMetrics:
             "the message saying how they ended was lost (a NATS restart, a slow consumer): budget otherwise stranded.",
             registry=r,
         )
+        self.strays_cancelled = Gauge(
+            "switchyard_scheduler_strays_cancelled",
+            "Runs cancelled since the scheduler started because a worker still held them after they had ended "
+            "(their cancel was lost while the worker reconnected).",
+            registry=r,
+        )
+        self.strays_ignored = Gauge(
+            "switchyard_scheduler_strays_ignored",
+            "Runs a worker named in an audit's answer that this scheduler never placed there: neither cancelled "
+            "nor adopted.",
+            registry=r,
+        )
         self.session_bindings = Gauge(
             "switchyard_scheduler_session_bindings", "Session bindings the scheduler holds.", registry=r
         )
@@ -215,6 +227,8 @@ class ServingMetrics:
     def set_stranded(self, status: ClusterStatus) -> None:
         """What the scheduler says of state that could have outlived its request."""
         self.reclaimed_requests.set(status.reclaimed_requests)
+        self.strays_cancelled.set(status.strays_cancelled)
+        self.strays_ignored.set(status.strays_ignored)
         self.session_bindings.set(status.session_bindings)
         self.sessions_dropped.set(status.sessions_dropped)
         self.abandoned_handoffs.set(status.abandoned_handoffs)

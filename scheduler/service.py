@@ -258,7 +258,9 @@ class SchedulerService:
                     await self._admit(spec, dict(msg.headers or {}), msg.reply)
                 case StatusRequest():
                     await self._fence()
-                    await self._reply(msg.reply, self.core.status())
+                    status = self.core.status()
+                    strays = {"strays_cancelled": self.strays_cancelled, "strays_ignored": self.strays_ignored}
+                    await self._reply(msg.reply, msgspec.structs.replace(status, **strays))
 
     def _keep(self, data: bytes, spec: RequestSpec, reply: str | None, headers: dict[str, str]) -> None:
         self._shadow.submitted(Shadowed(spec.request_id, data, reply or None, headers, self._clock(), spec.attempt))

@@ -172,6 +172,11 @@ class ClusterStatus(_Wire, frozen=True, tag="cluster_status"):
     # the prefill left is bounded by its transfer: the Mooncake Store's lease and eviction,
     # NIXL's KV lease on the prefill engine (--nixl-kv-lease-s), LMCache's own LRU.
     abandoned_handoffs: int = 0
+    # Since start, by the scheduler's audits (scheduler.audit): runs a worker still held after
+    # they had ended here, cancelled; and runs a worker named that this scheduler never placed
+    # there, ignored (neither cancelled nor adopted).
+    strays_cancelled: int = 0
+    strays_ignored: int = 0
 
 
 SchedulerReply = Admitted | Rejected | ClusterStatus

@@ -15,12 +15,14 @@ from switchyard.observability.bus import BusStats, connect
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
 from switchyard.schemas import (
+    ClusterStatus,
     DecodeTask,
     LoadReport,
     PromptUsage,
     RequestSpec,
     SamplingParams,
     SimKvHandle,
+    StatusRequest,
     SubmitRequest,
     TaskAck,
     codec,
@@ -390,6 +392,10 @@ async def test_after_the_bus_came_back_runs_that_ended_here_are_cancelled_not_ad
             assert decode.held.attempt("unknown") == 0  # not cancelled on the worker's word
             assert "placed" not in sched.core.requests and "unknown" not in sched.core.requests  # not adopted
             assert sched.core.ledger() == {}
+            asked = codec.SCHEDULER_REQUEST.encode(StatusRequest())
+            status = codec.SCHEDULER_REPLY.decode((await nc.request(subjects.SUBMIT, asked, timeout=5)).data)
+            assert isinstance(status, ClusterStatus)
+            assert status.strays_cancelled == 1 and status.strays_ignored == sched.strays_ignored >= 1
             tg.cancel_scope.cancel()
     finally:
         server.kill()

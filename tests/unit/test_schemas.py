@@ -98,6 +98,8 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             session_bindings=7,
             sessions_dropped=1,
             abandoned_handoffs=3,
+            strays_cancelled=5,
+            strays_ignored=6,
         ),
     ),
     ("prefill_task", codec.WORKER_TASK, m.PrefillTask(spec=SPEC, queued_s=0.75, charged_tokens=3)),
