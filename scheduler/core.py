@@ -49,7 +49,7 @@ from switchyard.scheduler.lending import Lending, lane_worker
 from switchyard.scheduler.placement import Placement, Placer
 from switchyard.scheduler.queue import FairQueue
 from switchyard.scheduler.sessions import Binding, SessionTable
-from switchyard.scheduler.state import Fleet, Tracked, WorkerState, shareable_keys
+from switchyard.scheduler.state import Fleet, Phase, Tracked, WorkerState, shareable_keys
 from switchyard.schemas import (
     DEVICE_CLASS_MAX,
     Admitted,
@@ -105,6 +105,12 @@ class BindSession:
 
 Action = Dispatch | FailStream | RequestSnapshot | BindSession
 DispatchOutcome = Literal["refused", "no_responders", "timeout"]
+
+# A refused dispatch (the worker's budget or KV is fuller than the ledger knows, or it heard
+# the request's cancel first) goes back to its queue after a pause, this long and doubling
+# with each refusal of the request: retried at once, it mostly went to the same worker, which
+# refused again within milliseconds, and its dispatches were spent before anything changed.
+_REFUSED_PAUSE_S = 0.1
 
 # SLO-aware queueing (``_misses_slo``): a late request runs only on a worker whose queue
 # drains within this share of the TTFT SLO, and only if the prefill fleet's whole queue
@@ -204,6 +210,8 @@ class SchedulerCore:
         # index learns something: those bump the epoch; the same epoch skips the pass.
         self._epoch = 0
         self._blocked_at: int | None = None
+        # Paused after a refusal: request -> (when it goes back, the phase it goes back to).
+        self._paused: dict[str, tuple[float, Phase]] = {}
 
     # --- inputs ------------------------------------------------------------------
 
@@ -329,7 +337,12 @@ class SchedulerCore:
         if tracked is not None and tracked.worker_id == worker_id and outcome != "timeout":
             if worker_id in self.workers:
                 self.workers[worker_id].release(request_id)
-            actions = self._retry_or_fail(tracked, "dispatch_failed", now)
+            if outcome == "refused":
+                tracked.refusals += 1
+                pause_s = _REFUSED_PAUSE_S * 2 ** (tracked.refusals - 1)
+                actions = self._retry_or_fail(tracked, "dispatch_failed", now, pause_s)
+            else:
+                actions = self._retry_or_fail(tracked, "dispatch_failed", now)
         if outcome != "refused":
             actions += self._remove_worker(worker_id, now)
         return actions + self._drain(now)
@@ -346,6 +359,7 @@ class SchedulerCore:
             # names a worker that is gone (its owner check; the TTL bounds the rest).
             self.sessions_dropped += self.sessions.keep_only(self.workers.__contains__)
         self._sample_busy(now)
+        self._resume_paused(now)
         expired = self._expire_deadlines(now) + self._shed_late(now)
         return actions + self._retry_snapshots(now) + expired + self._drain(now)
 
@@ -451,6 +465,7 @@ class SchedulerCore:
         assert self._queue.tokens == sum(self.requests[r].prompt_tokens for r in queued)
         assert all(self.requests[r].phase == "queued" for r in queued)
         assert all(self.requests[r].phase == "awaiting_decode" for r in self._decode_wait)
+        assert {r for r, t in self.requests.items() if t.phase == "paused"} == set(self._paused)
         assert self._decode_demand == sum(t.decode_tokens for t in self.requests.values())
         late = [self.requests[r] for r in queued if self.requests[r].late]
         assert self._queue.late_tokens == sum(t.prompt_tokens for t in late)
@@ -1150,21 +1165,42 @@ class SchedulerCore:
             actions += self._retry_or_fail(self.requests[rid], "worker_lost", now)
         return actions + self._drain(now)
 
-    def _retry_or_fail(self, tracked: Tracked, code: str, now: float) -> list[Action]:
+    def _retry_or_fail(self, tracked: Tracked, code: str, now: float, pause_s: float = 0.0) -> list[Action]:
+        """A request that lost its worker (its ledger entry released): back to the front of
+        its queue, after ``pause_s`` (``_paused``) if any, while it has dispatches left;
+        else failed."""
         rid = tracked.spec.request_id
         can_retry = tracked.attempts < self.config.max_dispatch_attempts and not tracked.adopted
+        back: Phase | None = None
         if tracked.phase == "prefill" and code == "dispatch_failed" and can_retry:
-            self._queue.push(tracked, front=True)
-            self._epoch += 1  # a new head
-            tracked.phase, tracked.worker_id, tracked.local = "queued", None, False
+            back = "queued"
+        elif tracked.phase == "decode" and code == "dispatch_failed" and can_retry and not tracked.local:
+            back = "awaiting_decode"  # no token of decode was produced yet
+        if back is not None and pause_s > 0:
+            tracked.phase, tracked.worker_id = "paused", None
+            self._paused[rid] = (now + pause_s, back)
             return []
-        if tracked.phase == "decode" and code == "dispatch_failed" and can_retry and not tracked.local:
-            tracked.phase, tracked.worker_id = "awaiting_decode", None
-            self._decode_wait.insert(0, rid)  # no token of decode was produced yet
+        if back is not None:
+            self._requeue(tracked, back)
             return []
         self._forget(rid)
         message = f"request {rid} failed in {tracked.phase}: {code.replace('_', ' ')}"
         return [FailStream(tracked.spec.ingress_id, rid, StreamError(code=code, message=message))]
+
+    def _requeue(self, tracked: Tracked, back: Phase) -> None:
+        if back == "queued":
+            self._queue.push(tracked, front=True)
+            self._epoch += 1  # a new head
+            tracked.phase, tracked.worker_id, tracked.local = "queued", None, False
+        else:
+            tracked.phase, tracked.worker_id = "awaiting_decode", None
+            self._decode_wait.insert(0, tracked.spec.request_id)
+
+    def _resume_paused(self, now: float) -> None:
+        """Requests whose pause after a refusal is over go back to the front of their queue."""
+        for rid in [r for r, (at, _) in self._paused.items() if at <= now]:
+            _, back = self._paused.pop(rid)
+            self._requeue(self.requests[rid], back)
 
     def _forget(self, request_id: str) -> None:
         tracked = self.requests.pop(request_id, None)
@@ -1179,3 +1215,6 @@ class SchedulerCore:
         elif tracked.phase == "awaiting_decode":
             self._decode_wait.remove(request_id)
             self.abandoned_handoffs += 1
+        elif tracked.phase == "paused":
+            _, back = self._paused.pop(request_id)
+            self.abandoned_handoffs += back == "awaiting_decode"

@@ -32,7 +32,8 @@ from switchyard.scheduler.index import by_slot
 from switchyard.scheduler.native import native as _native
 from switchyard.schemas import LoadReport, PrefillDone, RequestSpec, Role, SharedBlocks
 
-Phase = Literal["queued", "prefill", "awaiting_decode", "decode"]  # "prefill" covers a local task too
+# "prefill" covers a local task too; "paused": its dispatch was refused, it goes back soon
+Phase = Literal["queued", "prefill", "awaiting_decode", "decode", "paused"]
 
 
 class LedgerBlocks(SharedBlocks):
@@ -259,6 +260,7 @@ class Tracked:
     phase: Phase = "queued"
     worker_id: str | None = None
     attempts: int = 0
+    refusals: int = 0  # dispatches of it its workers refused (``SchedulerCore._retry_or_fail``)
     requeued: bool = False  # back in the queue after losing its worker: goes ahead
     virtual_start: float | None = None  # its place in the tenants' fair queue
     # When its prefill was dispatched, and the uncached tokens its worker then had to work

@@ -15,6 +15,7 @@ from switchyard.observability.bus import BusStats, connect
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
 from switchyard.schemas import (
+    Cancel,
     ClusterStatus,
     DecodeTask,
     LoadReport,
@@ -400,3 +401,39 @@ async def test_after_the_bus_came_back_runs_that_ended_here_are_cancelled_not_ad
     finally:
         server.kill()
         server.wait()
+
+
+async def test_a_refused_decode_waits_and_goes_through_once_the_worker_has_room(nats):
+    """A decode worker whose KV is fuller than the scheduler's ledger knows (a run it never
+    heard of) refuses the task. Retried at once, the task went straight back to it, and three
+    refusals within milliseconds failed the request; now it pauses (0.1 s, then 0.2 s), and
+    once the worker's KV is free the request completes."""
+    sched = SchedulerService(SchedulerServiceConfig(nats_url=nats.url, core=SchedulerConfig(max_dispatch_attempts=3)))
+    prefill = build_worker(worker_config(nats.url, "prefill"))
+    decode = build_worker(worker_config(nats.url, "decode", SimCostModel(decode_step_base_s=0.01), token_budget=1000))
+    hog = _spec("hog", max_tokens=900)  # 940 of the worker's 1,000 KV tokens, for 9 s
+    task = DecodeTask(
+        spec=hog,
+        handle=SimKvHandle(worker_id="p", block_keys=[], num_tokens=len(hog.prompt_tokens)),
+        first_token=7,
+        usage=PromptUsage(prompt_tokens=len(hog.prompt_tokens), cached_tokens=0),
+    )
+    async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
+        await tg.start(sched.run)
+        await tg.start(prefill.run)
+        await tg.start(decode.run)
+        await _wait(lambda: len(sched.core.workers) == 2)
+        reply = await nc.request(subjects.worker_tasks(decode.config.worker_id), codec.WORKER_TASK.encode(task), 5)
+        assert codec.TASK_ACK.decode(reply.data).accepted
+        sub = await nc.subscribe(subjects.streams_of("ing-test"))
+        submit = codec.SCHEDULER_REQUEST.encode(SubmitRequest(spec=_spec("r", max_tokens=100)))
+        reply = await nc.request(subjects.SUBMIT, submit, timeout=5)
+        assert type(codec.SCHEDULER_REPLY.decode(reply.data)).__name__ == "Admitted"
+        tracked = sched.core.requests["r"]
+        await _wait(lambda: tracked.phase == "paused")  # refused: "no KV capacity"
+        assert tracked.refusals == 1 and decode.held.attempt("r") is None
+        await nc.publish(subjects.CANCEL, codec.CANCEL.encode(Cancel(request_id="hog", reason="client_gone")))
+        chunks = await _collect(sub, "r", 100)
+        assert _positions(chunks) == list(range(100))
+        assert all(c.error is None for c in chunks) and tracked.refusals in (1, 2)
+        tg.cancel_scope.cancel()

@@ -511,7 +511,7 @@ def test_refused_prefill_is_retried_then_fails_after_max_attempts() -> None:
         if failures(actions):
             break
         assert h.load("p1") in (0, len(r.prompt_tokens))
-        attempts += dispatched(actions or h.tick())
+        attempts += dispatched(actions or h.tick(advance=1.0))
     assert attempts == [("r", "p1")] * 3
     assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [
         ("ing-Q", "r", "dispatch_failed")
@@ -527,7 +527,7 @@ def test_refused_decode_is_retried_with_the_same_handle() -> None:
     done = prefill_done(r, "p1", first_token=999)
     assert dispatched(h.event(done), DecodeTask) == [("r", "d1")]
     actions = h.dispatch_failed("d1", "r")
-    retried = dispatches(actions or h.tick(), DecodeTask)
+    retried = dispatches(actions or h.tick(advance=1.0), DecodeTask)
     assert len(retried) == 1
     assert retried[0].task == DecodeTask(
         spec=r, handle=done.handle, first_token=999, usage=done.usage, charged_tokens=32 + 8
@@ -915,13 +915,36 @@ def test_no_responders_for_decode_retries_it_elsewhere() -> None:
     assert "d1" not in h.core.workers
 
 
-def test_a_refused_dispatch_is_retried_at_once() -> None:
-    h = Harness()
+def test_a_refused_dispatch_is_retried_after_a_pause_that_doubles() -> None:
+    """Retried at once, a refused task went straight back to the worker that refused it
+    (still the best pick), and three refusals within milliseconds failed the request."""
+    h = Harness(max_dispatch_attempts=4)
     cluster(h, {"p1": 10_000, "p2": 10_000}, {"d1": 10_000})
     spec = make_spec("r")
     ((_, first),) = dispatched(h.admit(spec))
-    actions = h.dispatch_failed(first, "r", "refused")
-    assert len(dispatched(actions)) == 1 and failures(actions) == []
+    for pause in (0.1, 0.2, 0.4):
+        assert h.dispatch_failed(first, "r", "refused") == []
+        assert h.phase("r") == "paused" and h.core.status().queued_requests == 0
+        assert dispatched(h.tick(advance=pause - 0.01)) == []
+        ((rid, first),) = dispatched(h.tick(advance=0.02))
+        assert rid == "r" and h.phase("r") == "prefill"
+    actions = h.dispatch_failed(first, "r", "refused")  # the fourth: no dispatch left
+    assert [f.error.code for f in failures(actions)] == ["dispatch_failed"] and "r" not in h.core.requests
+
+
+def test_a_paused_request_cancelled_is_gone_and_a_decode_pauses_too() -> None:
+    h = Harness()
+    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    h.admit(make_spec("a"))
+    h.dispatch_failed("p1", "a", "refused")
+    assert h.phase("a") == "paused"
+    h.cancel("a")
+    assert "a" not in h.core.requests and dispatched(h.tick(advance=1.0)) == []
+    b = make_spec("b")
+    h.admit(b)
+    assert dispatched(h.event(prefill_done(b, "p1")), DecodeTask) == [("b", "d1")]
+    assert h.dispatch_failed("d1", "b", "refused") == [] and h.phase("b") == "paused"
+    assert dispatched(h.tick(advance=0.2), DecodeTask) == [("b", "d1")]
 
 
 def test_a_joining_worker_is_asked_for_its_kv_snapshot_once() -> None:
