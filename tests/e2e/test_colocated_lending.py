@@ -8,9 +8,13 @@ over (``PrefillTask`` on a colocated worker). Every request must still complete 
 from __future__ import annotations
 
 import concurrent.futures
+import signal
+import subprocess
+import time
 
 import openai
 
+from switchyard import procs
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.schemas import PrefillTask
 from switchyard.workers.decode import DecodeRole
@@ -67,3 +71,66 @@ def test_colocated_fleet_lends_a_worker_and_loses_nothing(nats) -> None:
             assert text  # the streamed copy came whole too (the sim's text is its tokens')
         assert wait_until(lambda: all(w.role.running() == 0 and w.role.inflight_tokens() == 0 for w in workers))
         assert wait_until(lambda: all(w.inflight_tokens == 0 for w in core.status().workers))
+
+
+def _colocated_process(nats_url: str, worker_id: str) -> subprocess.Popen:
+    """A colocated worker in its own process, decoding as slowly as ``SLOW_DECODE``, so that
+    the test can SIGKILL it."""
+    flags = ["--role", "both", "--nats", nats_url, "--worker-id", worker_id, "--report-interval-s", "0.1"]
+    flags += ["--log-level", "warning", "--sim-prefill-per-token-s", "0.0001", "--sim-decode-step-base-s", "0.02"]
+    return procs.spawn(procs.service_command("worker", *flags), env=procs.child_env())
+
+
+def test_a_colocated_worker_killed_while_the_fleet_hands_off_loses_no_stream(nats) -> None:
+    """A colocated worker SIGKILLed while it holds requests, on a fleet that lends workers to
+    decoding and hands prompts over: what it held (prefills, handoffs on their way to it or
+    from it, decodes) continues on the other workers, and every client gets the text an
+    undisturbed run gives."""
+    sched = SchedulerConfig(worker_expiry_s=0.5, ttft_slo_s=5.0, tpot_slo_s=0.01)
+    with running_stack(nats.url, prefill=0, decode=0, scheduler=sched) as stack:
+        for _ in range(2):
+            stack.add_worker(worker_config(nats.url, "both", SLOW_DECODE))
+        child = _colocated_process(nats.url, "both-victim")
+        try:
+            assert stack.wait_healthy(3, 3, timeout_s=20)["colocated_workers"] == 3
+            client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
+            core = stack.scheduler.core
+
+            def ask(i: int) -> tuple[int, str, str | None, int]:
+                stream = client.completions.create(
+                    model=MODEL, prompt=f"tender {i} " * 30, max_tokens=40, stream=True, temperature=0,
+                    stream_options={"include_usage": True},
+                )  # fmt: skip
+                text, finish, tokens = "", None, 0
+                for chunk in stream:
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                    for choice in chunk.choices:
+                        text += choice.text
+                        finish = choice.finish_reason or finish
+                return i, text, finish, tokens
+
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                futures = [pool.submit(ask, i) for i in range(24)]
+                victim = None
+                deadline = time.monotonic() + 20
+                while victim is None and time.monotonic() < deadline:
+                    worker = core.workers.get("both-victim")
+                    held = [] if worker is None else [core.requests.get(r) for r in {*worker.assigned, *worker.held}]
+                    # A handoff: a prompt it prefills for a lent worker, or a decode handed to it, lent.
+                    if any(t is not None and not t.local for t in held):
+                        victim = held
+                    else:
+                        time.sleep(0.005)
+                assert victim, "the worker to kill never took part in a handoff"
+                child.send_signal(signal.SIGKILL)
+                results = [f.result() for f in futures]
+        finally:
+            procs.stop([child])
+        assert child.returncode == -signal.SIGKILL
+        assert "both-victim" not in core.workers
+        for i, text, finish, tokens in results:
+            undisturbed = client.completions.create(
+                model=MODEL, prompt=f"tender {i} " * 30, max_tokens=40, temperature=0
+            )
+            assert (text, finish, tokens) == (undisturbed.choices[0].text, "length", 40), i
