@@ -50,6 +50,11 @@ from switchyard.workers.runtime import WorkerBus
 log = logging.getLogger(__name__)
 
 
+def _charged(task: LocalTask | PrefillTask) -> int:
+    """The prompt tokens the scheduler's ledger charged for it (all, if it did not say)."""
+    return task.charged_tokens if task.charged_tokens is not None else len(task.spec.prompt_tokens)
+
+
 @dataclass(slots=True)
 class _Pending:
     """One choice's tokens stepped and not yet sent."""
@@ -172,6 +177,11 @@ class DecodeRole:
             return "already decoding"
         if isinstance(task, LocalTask) and not self._has_room(task):  # a handoff's KV leaves with its decode
             return "no KV capacity"
+        # As a prefill worker does: the scheduler keeps its prompts within the budget, so twice
+        # the budget queued means its ledger is off (counted as it counts, the tokens it charged).
+        queued = sum(_charged(queued) for queued, _ in self._local.values())
+        if queued and queued + _charged(task) > 2 * self.token_budget:
+            return "over token budget"
         name = "worker.local" if isinstance(task, LocalTask) else "worker.prefill"
         span = tracing.tracer().start_span(name, context=tracing.extract(headers))
         span.set_attribute("switchyard.worker_id", self.worker_id)

@@ -40,6 +40,20 @@ def test_only_a_colocated_worker_prefills_for_handoff() -> None:
     assert colocated.inflight_tokens() == 0
 
 
+def test_a_colocated_worker_refuses_prompts_past_twice_its_budget_as_a_prefill_worker_does() -> None:
+    """The scheduler keeps a worker's prompts within its budget: twice the budget queued means
+    its ledger is off (counted in the tokens it charged), and the worker says no."""
+    colocated = DecodeRole(SimEngine(SimEngineConfig(), "w"), "w", 100, prefills=True)
+    big = PrefillTask(spec=make_spec("big", prompt_len=150), queued_s=0.0, charged_tokens=150)
+    assert colocated.offer(big, {}) is None  # alone, a prompt past the budget runs
+    more = PrefillTask(spec=make_spec("more", prompt_len=80), queued_s=0.0, charged_tokens=60)
+    assert colocated.offer(more, {}) == "over token budget"  # 210 > 200
+    cached = PrefillTask(spec=make_spec("cached", prompt_len=80), queued_s=0.0, charged_tokens=50)
+    assert colocated.offer(cached, {}) is None  # 200: its cached tokens are not charged
+    colocated.cancel("big")
+    assert colocated.offer(more, {}) is None
+
+
 def test_colocated_fleet_lends_a_worker_and_loses_nothing(nats) -> None:
     sched = SchedulerConfig(worker_expiry_s=1.0, ttft_slo_s=5.0, tpot_slo_s=0.01)
     with running_stack(nats.url, prefill=0, decode=0, scheduler=sched) as stack:
