@@ -339,6 +339,7 @@ class SchedulerCore:
                 self.workers[worker_id].release(request_id)
             if outcome == "refused":
                 tracked.refusals += 1
+                tracked.refused_by += (worker_id,)
                 pause_s = _REFUSED_PAUSE_S * 2 ** (tracked.refusals - 1)
                 actions = self._retry_or_fail(tracked, "dispatch_failed", now, pause_s)
             else:
@@ -717,6 +718,9 @@ class SchedulerCore:
         the worker holds at least ``_HOLD_REUSE`` of the prompt: held from that worker,
         the prompt would recompute its prefix elsewhere."""
         bound, budget_s = self._bound(tracked, now), self._ttft_budget_s(tracked, now)
+        others = self._not_refused(tracked, self.fleet.prefill) if tracked.refused_by else None
+        if others:
+            return self.placer.prefill(tracked, others, bound, budget_s)
         hold_s = self.fleet.hold_s
         if hold_s <= 0:
             return self.placer.prefill(tracked, self.fleet, bound, budget_s)
@@ -735,6 +739,14 @@ class SchedulerCore:
         ):
             return unheld
         return self.placer.prefill(tracked, self.fleet, bound, budget_s)
+
+    @staticmethod
+    def _not_refused(tracked: Tracked, workers: dict[str, WorkerState]) -> list[WorkerState] | None:
+        """Of ``workers``, those that have not refused this request, if that leaves any: a
+        worker that said no is mostly still the ledger's best pick, and would say no again.
+        None: place it as any other."""
+        others = [w for w in workers.values() if w.worker_id not in tracked.refused_by]
+        return others or None
 
     def _ttft_budget_s(self, tracked: Tracked, now: float) -> float:
         """Time left before this request misses the TTFT SLO (infinite: none to keep; minus
@@ -1043,7 +1055,10 @@ class SchedulerCore:
         actions: list[Action] = []
         while self._decode_wait:
             tracked = self.requests[self._decode_wait[0]]
-            worker = self.placer.decode(tracked, self.fleet, idle_only=self._decodes_slow())
+            decoders = None
+            if tracked.refused_by and self.fleet.decode and not self.fleet.lent:  # (a colocated fleet: the lent)
+                decoders = self._not_refused(tracked, self.fleet.decode)
+            worker = self.placer.decode(tracked, decoders or self.fleet, idle_only=self._decodes_slow())
             if worker is None:
                 break
             self._decode_wait.pop(0)

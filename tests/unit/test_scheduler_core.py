@@ -932,6 +932,25 @@ def test_a_refused_dispatch_is_retried_after_a_pause_that_doubles() -> None:
     assert [f.error.code for f in failures(actions)] == ["dispatch_failed"] and "r" not in h.core.requests
 
 
+def test_a_refused_request_goes_to_a_worker_that_has_not_refused_it_while_one_can_take_it() -> None:
+    h = Harness(max_dispatch_attempts=5)
+    cluster(h, {"p1": 10_000, "p2": 10_000}, {"d1": 10_000, "d2": 10_000})
+    r = make_spec("r")
+    ((_, first),) = dispatched(h.admit(r))
+    h.dispatch_failed(first, "r", "refused")
+    ((_, second),) = dispatched(h.tick(advance=0.2))
+    assert second != first  # the ledger still ranks both alike: the refusal decides
+    h.dispatch_failed(second, "r", "refused")
+    ((_, third),) = dispatched(h.tick(advance=0.4))  # both refused: the policy's own pick again
+    assert third in (first, second)
+    done = prefill_done(r, third)
+    ((_, d_first),) = dispatched(h.event(done), DecodeTask)
+    # (its fourth refusal: a pause of 0.8 s)
+    h.dispatch_failed(d_first, "r", "refused")
+    ((_, d_second),) = dispatched(h.tick(advance=1.0), DecodeTask)
+    assert {d_first, d_second} == {"d1", "d2"}
+
+
 def test_a_paused_request_cancelled_is_gone_and_a_decode_pauses_too() -> None:
     h = Harness()
     cluster(h, {"p1": 1000}, {"d1": 10_000})
