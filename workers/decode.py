@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import anyio
+from anyio.abc import TaskGroup
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
@@ -204,12 +205,16 @@ class DecodeRole:
             stream.span.end()
 
     async def serve(self, bus: WorkerBus) -> None:
+        async with anyio.create_task_group() as handoffs:
+            await self._serve(bus, handoffs)
+
+    async def _serve(self, bus: WorkerBus, handoffs: TaskGroup) -> None:
         while True:
             if not self.engine.running and not self._local:
                 self._wake = anyio.Event()
                 await self._wake.wait()
             if self._local:
-                await self._prefill_local(bus)
+                await self._prefill_local(bus, handoffs)
             # Blocks handed over or computed here since the last step, even with nothing to decode
             # (a colocated worker that only prefills for lent ones would otherwise never report them).
             await bus.kv_changes()
@@ -221,9 +226,11 @@ class DecodeRole:
                 self._last_publish = now
                 await self._publish(bus)
 
-    async def _prefill_local(self, bus: WorkerBus) -> None:
+    async def _prefill_local(self, bus: WorkerBus, handoffs: TaskGroup) -> None:
         """Prefill every waiting task in one batch; token 0 out, then each local one into the
-        decode batch and each handoff's ``PrefillDone`` out once its KV can be found."""
+        decode batch and each handoff's ``PrefillDone`` out once its KV can be found: in
+        ``handoffs``, so that this worker's own decodes keep stepping while the KV reaches
+        the store (vLLM writes it after the output; ``HandoffEngine.wait_handoff``)."""
         jobs, self._local = list(self._local.values()), {}
         tasks = [
             task if isinstance(task, PrefillTask) else PrefillTask(spec=task.spec, queued_s=task.queued_s)
@@ -262,7 +269,8 @@ class DecodeRole:
                 self._start(decode, trace.set_span_in_context(span))
             span.end()
         # The client has its first token; the lent worker decodes once the KV can be found.
-        await announce(bus, self.engine, handed, handed_results, handed_done)
+        if handed:
+            handoffs.start_soon(announce, bus, self.engine, handed, handed_results, handed_done)
         self.handed_off += len(handed)
 
     def _absorb(self, outputs: list[StepOutput]) -> bool:
