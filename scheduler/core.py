@@ -338,9 +338,8 @@ class SchedulerCore:
             if worker_id in self.workers:
                 self.workers[worker_id].release(request_id)
             if outcome == "refused":
-                tracked.refusals += 1
                 tracked.refused_by += (worker_id,)
-                pause_s = _REFUSED_PAUSE_S * 2 ** (tracked.refusals - 1)
+                pause_s = _REFUSED_PAUSE_S * 2 ** (len(tracked.refused_by) - 1)
                 actions = self._retry_or_fail(tracked, "dispatch_failed", now, pause_s)
             else:
                 actions = self._retry_or_fail(tracked, "dispatch_failed", now)

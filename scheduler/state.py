@@ -260,8 +260,9 @@ class Tracked:
     phase: Phase = "queued"
     worker_id: str | None = None
     attempts: int = 0
-    refusals: int = 0  # dispatches of it its workers refused (``SchedulerCore._retry_or_fail``)
-    refused_by: tuple[str, ...] = ()  # ...and those workers (``SchedulerCore._not_refused``)
+    # The worker of each dispatch of it that was refused, in order (a worker may repeat): how
+    # long it pauses (``SchedulerCore.on_dispatch_failed``), and where it goes next (``_not_refused``).
+    refused_by: tuple[str, ...] = ()
     requeued: bool = False  # back in the queue after losing its worker: goes ahead
     virtual_start: float | None = None  # its place in the tenants' fair queue
     # When its prefill was dispatched, and the uncached tokens its worker then had to work

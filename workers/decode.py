@@ -44,16 +44,11 @@ from switchyard.schemas import (
     WorkerTask,
 )
 from switchyard.workers.engine import DecodeEngine, PrefillResult, StepOutput
-from switchyard.workers.handoff import announce, first_token
+from switchyard.workers.handoff import announce, charged_tokens, first_token
 from switchyard.workers.kv_events import KvCacheView, NoKvCache
 from switchyard.workers.runtime import WorkerBus
 
 log = logging.getLogger(__name__)
-
-
-def _charged(task: LocalTask | PrefillTask) -> int:
-    """The prompt tokens the scheduler's ledger charged for it (all, if it did not say)."""
-    return task.charged_tokens if task.charged_tokens is not None else len(task.spec.prompt_tokens)
 
 
 @dataclass(slots=True)
@@ -180,8 +175,8 @@ class DecodeRole:
             return "no KV capacity"
         # As a prefill worker does: the scheduler keeps its prompts within the budget, so twice
         # the budget queued means its ledger is off (counted as it counts, the tokens it charged).
-        queued = sum(_charged(queued) for queued, _ in self._local.values())
-        if queued and queued + _charged(task) > 2 * self.token_budget:
+        queued = sum(charged_tokens(waiting) for waiting, _ in self._local.values())
+        if queued and queued + charged_tokens(task) > 2 * self.token_budget:
             return "over token budget"
         name = "worker.local" if isinstance(task, LocalTask) else "worker.prefill"
         span = tracing.tracer().start_span(name, context=tracing.extract(headers))

@@ -4,9 +4,15 @@ the prefill worker and for a decode worker prefilling a ``LocalTask`` itself."""
 
 from __future__ import annotations
 
-from switchyard.schemas import PrefillDone, PrefillTask, PromptUsage, StreamChunk
+from switchyard.schemas import LocalTask, PrefillDone, PrefillTask, PromptUsage, StreamChunk
 from switchyard.workers.engine import HandoffEngine, PrefillEngine, PrefillResult
 from switchyard.workers.runtime import WorkerBus
+
+
+def charged_tokens(task: PrefillTask | LocalTask) -> int:
+    """The prompt tokens the scheduler's ledger charged for a prompt it gave this worker (all
+    of them, if it did not say): what a role's budget check counts, as the scheduler counts."""
+    return task.charged_tokens if task.charged_tokens is not None else len(task.spec.prompt_tokens)
 
 
 def first_token(worker_id: str, task: PrefillTask, result: PrefillResult) -> tuple[StreamChunk, PrefillDone]:

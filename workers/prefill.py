@@ -19,16 +19,11 @@ from opentelemetry.trace import Span
 from switchyard.observability import tracing
 from switchyard.schemas import PrefillDone, PrefillFailed, PrefillTask, StreamChunk, WorkerTask
 from switchyard.workers.engine import PrefillEngine, PrefillResult
-from switchyard.workers.handoff import announce, first_token
+from switchyard.workers.handoff import announce, charged_tokens, first_token
 from switchyard.workers.kv_events import KvCacheView, NoKvCache
 from switchyard.workers.runtime import WorkerBus
 
 log = logging.getLogger(__name__)
-
-
-def _charged(task: PrefillTask) -> int:
-    """The tokens the scheduler's ledger charged for it (all its prompt, if it did not say)."""
-    return task.charged_tokens if task.charged_tokens is not None else len(task.spec.prompt_tokens)
 
 
 @dataclass(slots=True)
@@ -66,7 +61,7 @@ class PrefillRole:
     def offer(self, task: WorkerTask, headers: dict[str, str]) -> str | None:
         if not isinstance(task, PrefillTask):
             return f"a prefill worker takes no {type(task).__name__}"
-        tokens = _charged(task)
+        tokens = charged_tokens(task)
         # The scheduler keeps within budget; twice the budget means its ledger is off. Counted
         # as it counts (the uncached tokens it charged), or cached prompts look like overload.
         if self._tokens and self._tokens + tokens > 2 * self.token_budget:
@@ -84,7 +79,7 @@ class PrefillRole:
         job = self._active.pop(request_id, None)
         if job is None:
             return
-        self._tokens -= _charged(job.task)
+        self._tokens -= charged_tokens(job.task)
         job.span.set_attribute("switchyard.cancelled", True)
         job.span.end()
         if job in self._queue:
@@ -125,7 +120,7 @@ class PrefillRole:
             spec = job.task.spec
             if self._active.pop(spec.request_id, None) is None:
                 continue  # cancelled while computing
-            self._tokens -= _charged(job.task)
+            self._tokens -= charged_tokens(job.task)
             chunk, prefilled = first_token(self.worker_id, job.task, result)
             by_ingress.setdefault(spec.ingress_id, []).append(chunk)
             done.append(prefilled)
@@ -142,7 +137,7 @@ class PrefillRole:
             rid = job.task.spec.request_id
             if self._active.pop(rid, None) is None:
                 continue
-            self._tokens -= _charged(job.task)
+            self._tokens -= charged_tokens(job.task)
             job.span.record_exception(RuntimeError(message))
             job.span.end()
             await bus.event(PrefillFailed(worker_id=self.worker_id, request_id=rid, message=message))
