@@ -240,6 +240,8 @@ class Ingress:
             "decode_workers": roles.count("decode") + colocated,
             "colocated_workers": colocated,
             "queued_requests": status.queued_requests,
+            "awaiting_decode": status.awaiting_decode,
+            "paused_requests": status.paused_requests,
             "in_flight_requests": len(self.router),
         }
         if not (body["prefill_workers"] and body["decode_workers"]):
@@ -253,6 +255,7 @@ class Ingress:
         status = await self._cluster_status()
         if status is not None:
             self.metrics.set_workers(status.workers)
+            self.metrics.set_queues(status)
             self.metrics.set_stranded(status)
         for refresh in self._on_scrape:
             await refresh()

@@ -8,7 +8,8 @@ whose tenant was served least recently, then that tenant's least recently served
 ``batch_concurrency`` lines of one batch at once.
 
 **Headroom.** A line is pulled only while the scheduler's central queue holds at most
-``headroom_queued_requests`` requests and ``headroom_queued_tokens`` prompt tokens
+``headroom_queued_requests`` requests (with those paused after a worker refused them) and
+``headroom_queued_tokens`` prompt tokens, and no prefilled request waits for decode room
 (``has_headroom``; both 0 by default: an empty queue), read from ``ClusterStatus`` at most every
 ``status_interval_s`` and for at most ``pulls_per_status`` pulls. Work admitted this way runs
 at batch priority (``x-switchyard-priority: batch``), so an interactive request that arrives
@@ -87,7 +88,10 @@ def has_headroom(status: ClusterStatus | None, config: BatchRunnerConfig) -> boo
     does not say its workers' budgets is judged by its queue alone)."""
     if status is None:
         return False
-    if status.queued_requests > config.headroom_queued_requests or status.queued_tokens > config.headroom_queued_tokens:
+    waiting = status.queued_requests + status.paused_requests  # paused: refused by a full worker
+    if waiting > config.headroom_queued_requests or status.queued_tokens > config.headroom_queued_tokens:
+        return False
+    if status.awaiting_decode:  # prefilled requests wait for decode room: decode is full
         return False
     for role in ("prefill", "decode"):
         workers = [w for w in status.workers if w.role in (role, "both") and w.token_budget > 0]

@@ -144,6 +144,16 @@ class ServingMetrics:
             "Streams in flight in a region that went dark (continued elsewhere or failed cleanly).",
             registry=r,
         )
+        self.queued_requests = Gauge(
+            "switchyard_scheduler_queued_requests",
+            "Requests the scheduler holds, by where they wait: prefill (for a prefill worker), decode "
+            "(prefilled, for decode room), paused (refused by a full worker, to be placed again).",
+            ["stage"],
+            registry=r,
+        )
+        self.queued_tokens = Gauge(
+            "switchyard_scheduler_queued_prompt_tokens", "Prompt tokens waiting for a prefill worker.", registry=r
+        )
         self.reclaimed_requests = Gauge(
             "switchyard_scheduler_reclaimed_requests",
             "Requests the scheduler forgot since it started because their worker no longer held them and "
@@ -223,6 +233,13 @@ class ServingMetrics:
             self._tenants.add(tenant)
             return tenant
         return OTHER_TENANTS
+
+    def set_queues(self, status: ClusterStatus) -> None:
+        """What waits at the scheduler, by stage."""
+        self.queued_requests.labels(stage="prefill").set(status.queued_requests)
+        self.queued_requests.labels(stage="decode").set(status.awaiting_decode)
+        self.queued_requests.labels(stage="paused").set(status.paused_requests)
+        self.queued_tokens.set(status.queued_tokens)
 
     def set_stranded(self, status: ClusterStatus) -> None:
         """What the scheduler says of state that could have outlived its request."""

@@ -23,8 +23,16 @@ class SchedulerConfig(ConfigStruct, frozen=True, kw_only=True):
         float, setting("prefill rate assumed per worker before one is measured (tokens/s)", gt=0)
     ] = 8_000.0
     max_dispatch_attempts: Annotated[
-        int, setting("dispatches of one request, after its worker was lost or refused it", ge=1)
+        int, setting("dispatches of one request, after its worker was lost (a refusal is not one)", ge=1)
     ] = 3
+    refused_retry_s: Annotated[
+        float,
+        setting(
+            "a request the workers refuse (full, though the ledger had room) is tried again, after pauses "
+            "from 0.1 s doubling up to 2 s, for this long from its first refusal before it fails",
+            gt=0,
+        ),
+    ] = 30.0
     session_ttl_s: Annotated[float, setting("a session stays bound to its prefill worker this long", gt=0)] = 600.0
     # About 370 bytes for a key held by one worker, 80 more per further holder: 1M pairs is
     # roughly 370 MB.

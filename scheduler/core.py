@@ -108,9 +108,12 @@ DispatchOutcome = Literal["refused", "no_responders", "timeout"]
 
 # A refused dispatch (the worker's budget or KV is fuller than the ledger knows, or it heard
 # the request's cancel first) goes back to its queue after a pause, this long and doubling
-# with each refusal of the request: retried at once, it mostly went to the same worker, which
-# refused again within milliseconds, and its dispatches were spent before anything changed.
+# with each refusal of the request up to ``_REFUSED_PAUSE_MAX_S``: retried at once, it mostly
+# went to the same worker, which refused again within milliseconds. A refusal spends none of
+# its dispatches (``max_dispatch_attempts``: the worker is there and lost nothing); it fails
+# once it has been refused for ``refused_retry_s``.
 _REFUSED_PAUSE_S = 0.1
+_REFUSED_PAUSE_MAX_S = 2.0
 
 # SLO-aware queueing (``_misses_slo``): a late request runs only on a worker whose queue
 # drains within this share of the TTFT SLO, and only if the prefill fleet's whole queue
@@ -339,7 +342,10 @@ class SchedulerCore:
                 self.workers[worker_id].release(request_id)
             if outcome == "refused":
                 tracked.refused_by += (worker_id,)
-                pause_s = _REFUSED_PAUSE_S * 2 ** (len(tracked.refused_by) - 1)
+                tracked.attempts -= 1  # it reached a worker that is there, and nothing was lost
+                if tracked.refused_since is None:
+                    tracked.refused_since = now
+                pause_s = min(_REFUSED_PAUSE_MAX_S, _REFUSED_PAUSE_S * 2 ** min(30, len(tracked.refused_by) - 1))
                 actions = self._retry_or_fail(tracked, "dispatch_failed", now, pause_s)
             else:
                 actions = self._retry_or_fail(tracked, "dispatch_failed", now)
@@ -391,6 +397,8 @@ class SchedulerCore:
             workers=workers,
             queued_requests=len(self._queue),
             queued_tokens=self._queue.tokens,
+            awaiting_decode=len(self._decode_wait),
+            paused_requests=len(self._paused),
             reclaimed_requests=self.reclaimed,
             session_bindings=len(self.sessions),
             sessions_dropped=self.sessions_dropped,
@@ -963,7 +971,7 @@ class SchedulerCore:
         if done.finished:
             self._forget(done.request_id)
             return self._drain_prefill(now)
-        tracked.prefill, tracked.attempts = done, 0
+        tracked.prefill, tracked.attempts, tracked.refused_since = done, 0, None
         if tracked.local:  # decodes where it prefilled
             keys = shareable_keys(tracked.spec, worker)
             if worker.role == "both":
@@ -1181,10 +1189,13 @@ class SchedulerCore:
 
     def _retry_or_fail(self, tracked: Tracked, code: str, now: float, pause_s: float = 0.0) -> list[Action]:
         """A request that lost its worker (its ledger entry released): back to the front of
-        its queue, after ``pause_s`` (``_paused``) if any, while it has dispatches left;
-        else failed."""
+        its queue, after ``pause_s`` (``_paused``) if any, while it has dispatches left
+        (refused: while it has been refused for less than ``refused_retry_s``); else failed."""
         rid = tracked.spec.request_id
         can_retry = tracked.attempts < self.config.max_dispatch_attempts and not tracked.adopted
+        refused_s = 0.0 if pause_s <= 0 or tracked.refused_since is None else now - tracked.refused_since
+        gave_up = pause_s > 0 and refused_s + pause_s > self.config.refused_retry_s
+        can_retry = can_retry and not gave_up  # refused as long as a request may be: fuller than it says
         back: Phase | None = None
         if tracked.phase == "prefill" and code == "dispatch_failed" and can_retry:
             back = "queued"
@@ -1199,6 +1210,8 @@ class SchedulerCore:
             return []
         self._forget(rid)
         message = f"request {rid} failed in {tracked.phase}: {code.replace('_', ' ')}"
+        if gave_up:
+            message += f" (its workers refused it for {refused_s:.1f} s: fuller than they said)"
         return [FailStream(tracked.spec.ingress_id, rid, StreamError(code=code, message=message))]
 
     def _requeue(self, tracked: Tracked, back: Phase) -> None:

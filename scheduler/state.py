@@ -263,6 +263,7 @@ class Tracked:
     # The worker of each dispatch of it that was refused, in order (a worker may repeat): how
     # long it pauses (``SchedulerCore.on_dispatch_failed``), and where it goes next (``_not_refused``).
     refused_by: tuple[str, ...] = ()
+    refused_since: float | None = None  # its first refusal in this stage (prefill, then decode)
     requeued: bool = False  # back in the queue after losing its worker: goes ahead
     virtual_start: float | None = None  # its place in the tenants' fair queue
     # When its prefill was dispatched, and the uncached tokens its worker then had to work

@@ -161,8 +161,10 @@ class WorkerSummary(_Wire, frozen=True):
 
 class ClusterStatus(_Wire, frozen=True, tag="cluster_status"):
     workers: list[WorkerSummary]
-    queued_requests: int
+    queued_requests: int  # waiting for a prefill worker
     queued_tokens: int
+    awaiting_decode: int = 0  # prefilled, waiting for decode room
+    paused_requests: int = 0  # refused by a worker, waiting to be placed again
     # Requests the scheduler forgot because their worker no longer held them and the
     # message saying how they ended was lost (scheduler.audit): budget otherwise stranded.
     reclaimed_requests: int = 0

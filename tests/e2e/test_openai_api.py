@@ -152,6 +152,7 @@ def test_models_health_and_metrics(client, stack):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(stack.ingress.url + "/health").json()
     assert health["status"] == "ok" and health["prefill_workers"] == 1 and health["decode_workers"] == 1
+    assert (health["queued_requests"], health["awaiting_decode"], health["paused_requests"]) == (0, 0, 0)
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
     metrics = httpx.get(stack.ingress.url + "/metrics").text
     for name in (
@@ -164,6 +165,8 @@ def test_models_health_and_metrics(client, stack):
     ):
         line = next(row for row in metrics.splitlines() if row.startswith(name))
         assert float(line.split()[-1]) > 0 or name == "switchyard_cached_tokens_total", line
+    for stage in ("prefill", "decode", "paused"):  # what waits at the scheduler: nothing, now
+        assert f'switchyard_scheduler_queued_requests{{stage="{stage}"}} 0.0' in metrics
 
 
 def test_session_header_is_accepted(client):

@@ -195,6 +195,10 @@ def test_headroom_is_an_empty_queue_by_default_and_a_setting() -> None:
     assert not has_headroom(None, cfg)  # no scheduler answers: nothing is added
     loose = BatchRunnerConfig(headroom_queued_requests=2, headroom_queued_tokens=100)
     assert has_headroom(status(2, 100), loose) and not has_headroom(status(2, 101), loose)
+    # a request a full worker refused waits too; a prefilled one waiting for decode room: decode is full
+    paused = ClusterStatus(workers=[], queued_requests=2, queued_tokens=0, paused_requests=1)
+    assert not has_headroom(paused, loose)
+    assert not has_headroom(ClusterStatus(workers=[], queued_requests=0, queued_tokens=0, awaiting_decode=1), loose)
 
 
 def test_headroom_keeps_a_share_of_every_roles_budget_free() -> None:

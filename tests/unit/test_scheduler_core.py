@@ -501,18 +501,18 @@ def test_prefill_done_for_an_unknown_request_is_ignored() -> None:
 # --- dispatch failures -------------------------------------------------------------------------
 
 
-def test_refused_prefill_is_retried_then_fails_after_max_attempts() -> None:
+def test_a_prefill_no_worker_answers_is_retried_then_fails_after_max_attempts() -> None:
     h = Harness(max_dispatch_attempts=3)
-    cluster(h, {"p1": 1000}, {"d1": 10_000})
+    cluster(h, {"p1": 1000, "p2": 1000, "p3": 1000, "p4": 1000}, {"d1": 10_000})
     r = make_spec("r", ingress_id="ing-Q")
     attempts = dispatched(h.admit(r))
     for _ in range(5):
-        actions = h.dispatch_failed("p1", "r")
+        actions = h.dispatch_failed(attempts[-1][1], "r", "no_responders")
         if failures(actions):
             break
-        assert h.load("p1") in (0, len(r.prompt_tokens))
+        assert all(h.load(w) in (0, len(r.prompt_tokens)) for w in h.core.workers if w.startswith("p"))
         attempts += dispatched(actions or h.tick(advance=1.0))
-    assert attempts == [("r", "p1")] * 3
+    assert len(attempts) == 3 and len({w for _, w in attempts}) == 3  # each worker that did not answer is gone
     assert [(f.ingress_id, f.request_id, f.error.code) for f in failures(actions)] == [
         ("ing-Q", "r", "dispatch_failed")
     ]
@@ -915,21 +915,51 @@ def test_no_responders_for_decode_retries_it_elsewhere() -> None:
     assert "d1" not in h.core.workers
 
 
-def test_a_refused_dispatch_is_retried_after_a_pause_that_doubles() -> None:
+def test_a_refused_dispatch_is_retried_after_a_pause_that_doubles_up_to_2_s() -> None:
     """Retried at once, a refused task went straight back to the worker that refused it
     (still the best pick), and three refusals within milliseconds failed the request."""
-    h = Harness(max_dispatch_attempts=4)
+    h = Harness(max_dispatch_attempts=4, worker_expiry_s=60)
     cluster(h, {"p1": 10_000, "p2": 10_000}, {"d1": 10_000})
     spec = make_spec("r")
     ((_, first),) = dispatched(h.admit(spec))
-    for pause in (0.1, 0.2, 0.4):
+    for pause in (0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0):
         assert h.dispatch_failed(first, "r", "refused") == []
-        assert h.phase("r") == "paused" and h.core.status().queued_requests == 0
+        status = h.core.status()
+        assert h.phase("r") == "paused" and (status.queued_requests, status.paused_requests) == (0, 1)
         assert dispatched(h.tick(advance=pause - 0.01)) == []
         ((rid, first),) = dispatched(h.tick(advance=0.02))
-        assert rid == "r" and h.phase("r") == "prefill"
-    actions = h.dispatch_failed(first, "r", "refused")  # the fourth: no dispatch left
-    assert [f.error.code for f in failures(actions)] == ["dispatch_failed"] and "r" not in h.core.requests
+        assert rid == "r" and h.phase("r") == "prefill" and h.core.status().paused_requests == 0
+
+
+def test_refusals_spend_no_dispatch_and_fail_a_request_only_after_refused_retry_s() -> None:
+    """One worker a role, full for a while (its ledger behind): the request waits it out. Before,
+    its third dispatch refused failed it, 0.3 s after the first (``max_dispatch_attempts``)."""
+    h = Harness(max_dispatch_attempts=2, refused_retry_s=8.0, worker_expiry_s=60)
+    cluster(h, {"p1": 10_000}, {"d1": 10_000})
+    spec = make_spec("r")
+    h.admit(spec)
+    for pause in (0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0):  # refused for 7.17 s in all
+        assert h.dispatch_failed("p1", "r", "refused") == []
+        assert dispatched(h.tick(advance=pause + 0.01)) == [("r", "p1")]
+    actions = h.dispatch_failed("p1", "r", "refused")  # 7.17 s + a 2 s pause: past 8 s
+    (failure,) = failures(actions)
+    assert failure.error.code == "dispatch_failed" and "refused it for 7.2 s" in failure.error.message
+    assert "r" not in h.core.requests
+    # A new stage, a new window: refused through its prefill for 5 s, then through its decode for
+    # 6 s more (its pauses 2 s now: they double with every refusal of the request).
+    h = Harness(max_dispatch_attempts=2, refused_retry_s=8.0, worker_expiry_s=60)
+    cluster(h, {"p1": 10_000}, {"d1": 10_000})
+    h.admit(spec)
+    for pause in (0.1, 0.2, 0.4, 0.8, 1.6, 2.0):
+        h.dispatch_failed("p1", "r", "refused")
+        h.tick(advance=pause + 0.01)
+    assert dispatched(h.event(prefill_done(spec, "p1")), DecodeTask) == [("r", "d1")]
+    for _ in range(3):
+        assert h.dispatch_failed("d1", "r", "refused") == [] and h.phase("r") == "paused"
+        assert dispatched(h.tick(advance=2.01), DecodeTask) == [("r", "d1")]
+    # ...and a refusal spent no dispatch: the worker lost now, it is retried (one dispatch left).
+    h.report("d2", "decode", 10_000)
+    assert dispatched(h.dispatch_failed("d1", "r", "no_responders"), DecodeTask) == [("r", "d2")]
 
 
 def test_a_refused_request_goes_to_a_worker_that_has_not_refused_it_while_one_can_take_it() -> None:

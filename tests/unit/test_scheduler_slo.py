@@ -207,6 +207,8 @@ def test_with_prefilled_requests_waiting_for_decode_room_a_new_one_is_refused_up
     h.event(prefill_done(a, "p0", prefill_s=0.1))  # a decodes on d0
     h.event(prefill_done(b, "p0", prefill_s=0.1))  # b waits for room
     assert h.core.requests["b"].phase == "awaiting_decode"
+    status = h.core.status()
+    assert (status.queued_requests, status.awaiting_decode, status.paused_requests) == (0, 1, 0)
     reply, _ = h.submit(make_spec("c", prompt_len=1_000, max_tokens=500))
     assert reply.reason == "overloaded" and "1 prefilled requests wait for room" in reply.message
     # the peers let it in (up to the overcommit), to wait after its first token

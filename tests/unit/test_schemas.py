@@ -94,6 +94,8 @@ CASES: list[tuple[str, Codec[Any], msgspec.Struct]] = [
             ],
             queued_requests=4,
             queued_tokens=400,
+            awaiting_decode=8,
+            paused_requests=9,
             reclaimed_requests=2,
             session_bindings=7,
             sessions_dropped=1,
