@@ -335,7 +335,8 @@ class SimWorker:
             work += self.cost.chunk_work(prompt.done, end)
             budget -= end - prompt.done
             chunks.append(_Chunk(prompt, end))
-        self._publish(now)  # what the lookups moved between tiers
+            self._commit(prompt, end)
+        self._publish(now)  # what the lookups moved between tiers, and the blocks scheduled
         if not chunks and not self._running:
             return
         duration = self.cost.iteration_s(work, self._running, self._kv_tokens)
@@ -343,6 +344,18 @@ class SimWorker:
         self.stats.busy_s += duration
         self.stats.iterations += 1
         self._loop.at(now + duration, self._end)
+
+    def _commit(self, prompt: _Prompt, end: int) -> None:
+        """The prompt's whole blocks up to ``end`` are cached from the iteration that computes
+        them on, as vLLM does (``KVCacheManager.allocate_slots`` caches the blocks of the tokens
+        it schedules, and its KV events say so then): a prompt scheduled after this one, in this
+        iteration or a later one, finds them. (A layer writes every token's KV before its
+        attention reads it, so one forward pass serves both.) With its last chunk, all of its
+        blocks, as when it is done (``_advance_prompts``)."""
+        spec = prompt.task.spec
+        whole = len(spec.block_keys) if end >= prompt.total else end // spec.block_size
+        if whole:
+            self.cache.insert(spec.block_keys[:whole])
 
     def _look_up(self, prompt: _Prompt, now: float) -> None:
         spec = prompt.task.spec

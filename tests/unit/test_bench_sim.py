@@ -27,6 +27,7 @@ from switchyard.schemas import (
     LoadReport,
     LocalTask,
     PrefillDone,
+    PrefillTask,
     PromptUsage,
     RequestFinished,
     RequestSpec,
@@ -114,6 +115,54 @@ class Recorder:
 
     def kv_events(self, batch, now):
         pass
+
+
+class Cached(Recorder):
+    """Each prompt's cached tokens, and when KV event batches were sent with what they stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cached: dict[str, int] = {}
+        self.stored: list[tuple[float, int]] = []  # (when, blocks stored)
+
+    def worker_event(self, event, now):
+        super().worker_event(event, now)
+        if isinstance(event, PrefillDone):
+            self.cached[event.request_id] = event.usage.cached_tokens
+
+    def kv_events(self, batch, now):
+        self.stored += [(now, len(e.keys)) for e in batch.events if isinstance(e, BlocksStored) and e.tier == "device"]
+
+
+def test_a_prompt_scheduled_after_another_reuses_the_blocks_that_one_computes_as_vllm_does():
+    """vLLM caches a chunk's blocks when it schedules it (``allocate_slots``): a prompt behind
+    another with the same prefix, in the same iteration or a later one, reuses them. Before,
+    the simulated worker cached a prompt's blocks only once its last chunk had run, so the
+    second of two prompts of one document, batched in one iteration, computed it again."""
+    loop, sink = EventLoop(), Cached()
+    worker = SimWorker("w", "prefill", COST, 100, loop, sink)
+
+    def send(rid: str, keys: list[int], tokens: int) -> None:
+        spec = RequestSpec(
+            request_id=rid,
+            ingress_id="t",
+            model="m",
+            prompt_tokens=[0] * tokens,
+            block_size=512,
+            block_keys=keys,
+            sampling=SamplingParams(max_tokens=2),
+        )
+        worker.accept(PrefillTask(spec=spec, queued_s=0.0), 0.0)
+
+    send("doc", [1, 2, 3], 1536)
+    send("question", [1, 2, 3, 4], 1700)  # the same document, then a question: in the same iteration
+    send("long", list(range(10, 30)), 10_240)  # 20 blocks: 12 whole ones in its first chunk (6,492 tokens)
+    loop.at(0.01, lambda now: send("later", [*range(10, 30), 99], 10_300))  # its second chunk's turn
+    loop.run()
+    assert sink.cached["doc"] == 0 and sink.cached["question"] == 1536
+    assert sink.cached["later"] == 20 * 512  # 12 from its first chunk, 8 from its second, scheduled ahead
+    # announced when scheduled, as vLLM's KV events are: doc's 3, question's 4th, long's first 12
+    assert sum(n for when, n in sink.stored if when == 0.0) == 3 + 1 + 12
 
 
 def tpot_of_a_decode(with_long_prompt_arriving: bool) -> float:
