@@ -101,6 +101,19 @@ def test_a_shared_prefix_is_served_from_the_prefill_workers_cache():
     assert out.first_token[1] - 10.0 == pytest.approx(COST.iteration_s(COST.chunk_work(1024, 1100), 0, 0))
 
 
+def sim_spec(rid: str, tokens: int, keys: list[int] | None = None, max_tokens: int = 2) -> RequestSpec:
+    """A request for a ``SimWorker`` fed by hand: ``tokens`` prompt tokens in 512-token blocks."""
+    return RequestSpec(
+        request_id=rid,
+        ingress_id="t",
+        model="m",
+        prompt_tokens=[0] * tokens,
+        block_size=512,
+        block_keys=keys or [],
+        sampling=SamplingParams(max_tokens=max_tokens),
+    )
+
+
 class Recorder:
     def __init__(self) -> None:
         self.first: dict[str, float] = {}
@@ -143,15 +156,7 @@ def test_a_prompt_scheduled_after_another_reuses_the_blocks_that_one_computes_as
     worker = SimWorker("w", "prefill", COST, 100, loop, sink)
 
     def send(rid: str, keys: list[int], tokens: int) -> None:
-        spec = RequestSpec(
-            request_id=rid,
-            ingress_id="t",
-            model="m",
-            prompt_tokens=[0] * tokens,
-            block_size=512,
-            block_keys=keys,
-            sampling=SamplingParams(max_tokens=2),
-        )
+        spec = sim_spec(rid, tokens, keys)
         worker.accept(PrefillTask(spec=spec, queued_s=0.0), 0.0)
 
     send("doc", [1, 2, 3], 1536)
@@ -170,15 +175,7 @@ def tpot_of_a_decode(with_long_prompt_arriving: bool) -> float:
     worker = SimWorker("w", "both", COST, 100, loop, sink)
 
     def send(rid: str, tokens: int, out: int, at: float) -> None:
-        spec = RequestSpec(
-            request_id=rid,
-            ingress_id="t",
-            model="m",
-            prompt_tokens=[0] * tokens,
-            block_size=512,
-            block_keys=[],
-            sampling=SamplingParams(max_tokens=out),
-        )
+        spec = sim_spec(rid, tokens, max_tokens=out)
         # A LocalTask: a colocated worker decodes it where it prefilled (a PrefillTask hands it over).
         loop.at(at, lambda now: worker.accept(LocalTask(spec=spec, queued_s=0.0), now))
 
@@ -201,15 +198,7 @@ def decode_span(keys_b: list[int]) -> float:
     worker = SimWorker("d", "decode", COST, 100, loop, sink)
 
     def hand(rid: str, keys: list[int], at: float) -> None:
-        spec = RequestSpec(
-            request_id=rid,
-            ingress_id="t",
-            model="m",
-            prompt_tokens=[0] * (512 * len(keys)),
-            block_size=512,
-            block_keys=keys,
-            sampling=SamplingParams(max_tokens=2),
-        )
+        spec = sim_spec(rid, 512 * len(keys), keys)
         handle = SimKvHandle(worker_id="p", block_keys=keys, num_tokens=len(spec.prompt_tokens))
         usage = PromptUsage(prompt_tokens=len(spec.prompt_tokens), cached_tokens=0)
         task = DecodeTask(spec=spec, handle=handle, first_token=0, usage=usage)
