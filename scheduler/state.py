@@ -81,6 +81,12 @@ class WorkerState:
     # Uncached tokens/s it computes is ``prefill_rate``: out of a fleet this field; in one,
     # its role's shared rate times its own factor (``Fleet.learn_rate``), kept here when it leaves.
     own_rate: float = 8_000.0
+    # How its rate is measured (``SchedulerCore._learn_rate``): ``prefill_mark`` is when its
+    # current stretch of prefill began, its last prefill done or the dispatch that found its
+    # ledger empty; the uncached tokens done and busy seconds since the last rate sample.
+    prefill_mark: float = 0.0
+    rate_tokens: int = 0
+    rate_busy_s: float = 0.0
     # A colocated ("both") worker's second ledger: KV tokens of the sequences it decodes,
     # against its KV capacity, apart from the prefill tokens its budget bounds.
     kv_capacity: int = 0
@@ -266,10 +272,7 @@ class Tracked:
     refused_since: float | None = None  # its first refusal in this stage (prefill, then decode)
     requeued: bool = False  # back in the queue after losing its worker: goes ahead
     virtual_start: float | None = None  # its place in the tenants' fair queue
-    # When its prefill was dispatched, and the uncached tokens its worker then had to work
-    # through up to and including its own: how the core learns each worker's rate.
-    dispatched_at: float = 0.0
-    ahead_tokens: int = 0
+    dispatched_at: float = 0.0  # when its prefill was dispatched
     late: bool = False  # predicted to miss the TTFT SLO: queued behind those that can meet it
     local: bool = False  # prefilled by the worker that decodes it (no handoff)
     prefill: PrefillDone | None = None  # set once prefill is done, for decode (re)placement

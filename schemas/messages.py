@@ -235,7 +235,7 @@ class PromptUsage(_Wire, frozen=True):
     cached_tokens: int
     queued_s: float = 0.0
     prefill_s: float = 0.0  # of the batch it was computed in
-    batch_tokens: int = 0  # uncached tokens that batch computed in prefill_s (0: unknown)
+    batch_tokens: int = 0  # uncached tokens that batch computed in prefill_s (0: unknown); for the record: the scheduler measures rates over busy time
 
 
 class PrefillTask(_Wire, frozen=True, tag="prefill"):

@@ -286,16 +286,15 @@ def msgspec_replace(struct, **changes):
     return msgspec.structs.replace(struct, **changes)
 
 
-def test_the_prefill_rate_is_learned_from_the_whole_batch() -> None:
-    from switchyard.schemas import PromptUsage
-
+def test_prompts_done_in_one_batch_teach_the_rate_of_the_whole_batch() -> None:
     c = Core(default_prefill_tokens_per_s=1000.0)
     c.worker("p", "prefill")
     c.worker("d", "decode")
-    spec = make_spec("a", prompt_len=100)
-    c.submit(spec)
-    done = prefill_done(spec, "p")
-    # 100 of its own tokens in a batch of 4,000 that took 0.5 s: the worker runs at 8,000 tok/s.
-    usage = PromptUsage(prompt_tokens=100, cached_tokens=0, prefill_s=0.5, batch_tokens=4000)
-    c.event(msgspec_replace(done, usage=usage))
-    assert c.core.workers["p"].prefill_rate == pytest.approx(0.8 * 1000 + 0.2 * 8000)
+    a, b = make_spec("a", prompt_len=1_500), make_spec("b", prompt_len=1_500)
+    c.submit(a)
+    c.submit(b)
+    c.clock.advance(0.5)
+    # Both done at once: 3,000 tokens in 0.5 s, the second with no time of its own.
+    c.event(prefill_done(a, "p", prefill_s=0.5))
+    c.event(prefill_done(b, "p", prefill_s=0.5))
+    assert c.core.workers["p"].prefill_rate == pytest.approx(0.8 * 1000 + 0.2 * 6000)

@@ -174,26 +174,47 @@ def test_a_head_within_budget_is_not_jumped() -> None:
     assert placed(h.admit(make_spec("small", prompt_len=1_000))) == {}  # it would fit, but waits its turn
 
 
-def test_the_rate_is_learned_from_dispatch_to_first_token_over_the_tokens_the_worker_had() -> None:
+def test_the_rate_is_the_tokens_computed_over_the_time_the_worker_was_busy_computing_them() -> None:
     h = fleet(policy="least_tokens")
-    a, b = make_spec("a", prompt_len=8_000), make_spec("b", prompt_len=4_000)
+    a, b = make_spec("a", prompt_len=8_000), make_spec("b", prompt_len=6_000)
     h.admit(a)
-    h.admit(b)  # dispatched behind a: 12,000 tokens to go through
+    h.admit(b)  # dispatched behind a
     h.clock.advance(1.0)
     h.event(prefill_done(a, "p0", prefill_s=1.0))  # 8,000 tokens in 1 s: as assumed
     assert h.core.workers["p0"].prefill_rate == pytest.approx(8_000)
     h.clock.advance(2.0)
-    h.event(prefill_done(b, "p0", prefill_s=0.5))  # 12,000 tokens in 3 s, whatever its own prefill_s
-    assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * 4_000)
+    # b was computed from a's done on, and 2,000 of its tokens were cached there: 4,000 in 2 s
+    # (not its 6,000 and a's 8,000 ahead of it over the 3 s since its dispatch).
+    h.event(prefill_done(b, "p0", cached=2_000, prefill_s=0.5))
+    assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * 2_000)
 
 
-def test_a_small_prompt_on_an_idle_worker_teaches_the_workers_own_measure() -> None:
+def test_small_prompts_are_pooled_into_one_rate_sample_and_idle_time_is_not_counted() -> None:
     h = fleet(policy="least_tokens")
-    a = make_spec("a", prompt_len=1_000)
+    a, b = make_spec("a", prompt_len=1_000), make_spec("b", prompt_len=1_500)
     h.admit(a)
-    h.clock.advance(0.5)  # mostly the bus and fixed costs: not a rate
+    h.clock.advance(0.5)  # mostly the bus and fixed costs: not a rate on its own
     h.event(prefill_done(a, "p0", prefill_s=0.1))
-    assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * 10_000)
+    assert h.core.workers["p0"].prefill_rate == pytest.approx(8_000)
+    h.clock.advance(10.0)  # idle
+    h.admit(b)
+    h.clock.advance(0.25)
+    h.event(prefill_done(b, "p0", prefill_s=0.1))  # 2,500 tokens over 0.75 s busy
+    assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * 2_500 / 0.75)
+
+
+def test_a_request_behind_a_prompt_half_computed_is_not_late_for_the_half_done() -> None:
+    """The ledger holds a prompt's tokens until it is done; the time since the worker's
+    last prefill done at its rate is counted off (``SchedulerCore._backlog``)."""
+    for waited, late in ((0.5, True), (1.2, False)):
+        h = fleet()
+        a, b = make_spec("a", prompt_len=12_000), make_spec("b", prompt_len=12_000)
+        assert placed(h.admit(a)) == {"a": "p0"}  # 1.5 s
+        h.clock.advance(waited)
+        # 12,000 - 8,000 * waited still to compute ahead of b's 12,000: 2.5 s after 0.5 s
+        # (late), 1.8 s after 1.2 s (it makes it); counted whole, 3 s either way.
+        assert placed(h.admit(b)) == ({} if late else {"b": "p0"}), waited
+        assert h.core.requests["b"].late is late
 
 
 def test_with_prefilled_requests_waiting_for_decode_room_a_new_one_is_refused_up_front() -> None:
