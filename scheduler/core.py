@@ -168,7 +168,8 @@ _HOLD_BUSY = 0.5
 _HOLD_REUSE = 0.5
 _HOLD_S = 0.15
 _SIZE_WEIGHT = 64.0
-_RATE_MIN_TOKENS = 2048  # a rate sample pools prompts done until they computed this many tokens
+_RATE_MIN_TOKENS = 2048  # a worker's rate sums give a sample once they hold this many tokens
+_RATE_DECAY = 0.05  # ...and decay by this share with each prompt done there (``_learn_rate``)
 _RATE_WEIGHT = 0.2  # EWMA weight of a new prefill rate (or decode duration) sample
 _OWN_RATE_WEIGHT = 0.02  # ...and of a worker's own factor over its role's rate (``Fleet.learn_rate``)
 
@@ -1052,31 +1053,30 @@ class SchedulerCore:
     @staticmethod
     def _learn_rate(worker: WorkerState, tracked: Tracked, done: PrefillDone, now: float) -> None:
         """The rate placement predicts with: the uncached tokens a worker computes over the
-        time it is busy computing them, measured from here, bus and batching included. A
+        time it is busy computing them, as seen from here (bus and batching included). A
         prompt done computed its uncached tokens (as the worker reports them) since the later
         of its dispatch and the worker's previous prefill done (``prefill_mark``): a worker
-        works through its ledger in order, so those stretches add up to its busy time, and
-        tokens over busy time is its rate. Pooled until they hold ``_RATE_MIN_TOKENS``: a
-        small prompt alone says more about fixed costs than about rate, and prompts done in
-        one batch all but the first come with no time of their own.
+        works through its ledger in order, so those stretches add up to its busy time. Each
+        worker keeps both sums, decayed by ``_RATE_DECAY`` a prompt, and their ratio, once
+        they hold ``_RATE_MIN_TOKENS``, is a sample. A ratio of sums, not a mean of ratios:
+        prompts done in one batch come, all but the first, with no time of their own, and a
+        small prompt alone is mostly fixed costs; summed, each weighs what it computed.
 
         It was the tokens ahead of the prompt on the ledger at its dispatch, its own
         included, over the time to its done. But the ledger holds a prompt's tokens until it
         is done, so the one ahead was counted whole when part of it was already computed:
         on long shared documents (6 + 2, at the best peer's peak) the samples spread from
         8,400 to 38,000 tokens/s (10th to 90th percentile) against the 10,800 the workers
-        did, and a prompt's time to first token ran from a third to 2.7 times the
-        prediction; measured so, the rate stays within 2 % of 10,800
-        (``docs/bench-sim.md``, "The prefill rate is measured over busy time")."""
+        did (``docs/bench-sim.md``, "The prefill rate is measured over busy time")."""
         computed = max(0, done.usage.prompt_tokens - done.usage.cached_tokens)
-        busy_s = now - max(worker.prefill_mark, tracked.dispatched_at)
+        busy_s = max(0.0, now - max(worker.prefill_mark, tracked.dispatched_at))
         worker.prefill_mark = now
-        worker.rate_tokens += computed
-        worker.rate_busy_s += max(0.0, busy_s)
+        keep = 1 - _RATE_DECAY
+        worker.rate_tokens = keep * worker.rate_tokens + computed
+        worker.rate_busy_s = keep * worker.rate_busy_s + busy_s
         if worker.rate_tokens < _RATE_MIN_TOKENS or worker.rate_busy_s <= 0:
             return
         sample = worker.rate_tokens / worker.rate_busy_s
-        worker.rate_tokens, worker.rate_busy_s = 0, 0.0
         if worker.fleet is None:
             worker.prefill_rate = (1 - _RATE_WEIGHT) * worker.prefill_rate + _RATE_WEIGHT * sample
         else:

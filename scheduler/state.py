@@ -83,9 +83,9 @@ class WorkerState:
     own_rate: float = 8_000.0
     # How its rate is measured (``SchedulerCore._learn_rate``): ``prefill_mark`` is when its
     # current stretch of prefill began, its last prefill done or the dispatch that found its
-    # ledger empty; the uncached tokens done and busy seconds since the last rate sample.
+    # ledger empty; the uncached tokens it computed and the seconds it was busy, both decayed.
     prefill_mark: float = 0.0
-    rate_tokens: int = 0
+    rate_tokens: float = 0.0
     rate_busy_s: float = 0.0
     # A colocated ("both") worker's second ledger: KV tokens of the sequences it decodes,
     # against its KV capacity, apart from the prefill tokens its budget bounds.

@@ -184,12 +184,14 @@ def test_the_rate_is_the_tokens_computed_over_the_time_the_worker_was_busy_compu
     assert h.core.workers["p0"].prefill_rate == pytest.approx(8_000)
     h.clock.advance(2.0)
     # b was computed from a's done on, and 2,000 of its tokens were cached there: 4,000 in 2 s
-    # (not its 6,000 and a's 8,000 ahead of it over the 3 s since its dispatch).
+    # (not its 6,000 and a's 8,000 ahead of it over the 3 s since its dispatch), added to
+    # the worker's sums, which keep 0.95 of what they held.
     h.event(prefill_done(b, "p0", cached=2_000, prefill_s=0.5))
-    assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * 2_000)
+    sample = (0.95 * 8_000 + 4_000) / (0.95 * 1.0 + 2.0)
+    assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * sample)
 
 
-def test_small_prompts_are_pooled_into_one_rate_sample_and_idle_time_is_not_counted() -> None:
+def test_small_prompts_give_no_sample_until_the_sums_hold_2048_tokens_and_idle_time_is_not_counted() -> None:
     h = fleet(policy="least_tokens")
     a, b = make_spec("a", prompt_len=1_000), make_spec("b", prompt_len=1_500)
     h.admit(a)
@@ -199,8 +201,9 @@ def test_small_prompts_are_pooled_into_one_rate_sample_and_idle_time_is_not_coun
     h.clock.advance(10.0)  # idle
     h.admit(b)
     h.clock.advance(0.25)
-    h.event(prefill_done(b, "p0", prefill_s=0.1))  # 2,500 tokens over 0.75 s busy
-    assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * 2_500 / 0.75)
+    h.event(prefill_done(b, "p0", prefill_s=0.1))  # 1,500 more tokens in 0.25 s busy
+    sample = (0.95 * 1_000 + 1_500) / (0.95 * 0.5 + 0.25)
+    assert h.core.workers["p0"].prefill_rate == pytest.approx(0.8 * 8_000 + 0.2 * sample)
 
 
 def test_a_request_behind_a_prompt_half_computed_is_not_late_for_the_half_done() -> None:
