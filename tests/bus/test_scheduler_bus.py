@@ -9,6 +9,7 @@ import time
 import anyio
 import msgspec
 import pytest
+from nats.errors import NoRespondersError
 
 from switchyard import procs
 from switchyard.observability.bus import BusStats, connect
@@ -337,8 +338,17 @@ async def test_a_later_attempt_ends_the_run_whose_cancel_the_worker_missed(nats)
         task = DecodeTask(
             spec=msgspec.structs.replace(spec, attempt=attempt), handle=handle, first_token=7, usage=usage
         )
-        reply = await nc.request(subjects.worker_tasks(decode.config.worker_id), codec.WORKER_TASK.encode(task), 5)
-        return codec.TASK_ACK.decode(reply.data)
+        deadline = time.monotonic() + 5.0
+        while True:  # the worker's subscription reaches the server on its own connection's flush
+            try:
+                reply = await nc.request(
+                    subjects.worker_tasks(decode.config.worker_id), codec.WORKER_TASK.encode(task), 5
+                )
+                return codec.TASK_ACK.decode(reply.data)
+            except NoRespondersError:
+                if time.monotonic() > deadline:
+                    raise
+                await anyio.sleep(0.05)
 
     async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
         await tg.start(decode.run)
