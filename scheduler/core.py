@@ -1068,9 +1068,12 @@ class SchedulerCore:
         on long shared documents (6 + 2, at the best peer's peak) the samples spread from
         8,400 to 38,000 tokens/s (10th to 90th percentile) against the 10,800 the workers
         did (``docs/bench-sim.md``, "The prefill rate is measured over busy time")."""
+        dispatched_at = tracked.dispatched_at
+        worker.prefill_mark, mark = now, worker.prefill_mark
+        if dispatched_at is None:
+            return  # adopted from the scheduler before us: when its stretch began is not known
         computed = max(0, done.usage.prompt_tokens - done.usage.cached_tokens)
-        busy_s = max(0.0, now - max(worker.prefill_mark, tracked.dispatched_at))
-        worker.prefill_mark = now
+        busy_s = max(0.0, now - max(mark, dispatched_at))
         keep = 1 - _RATE_DECAY
         worker.rate_tokens = keep * worker.rate_tokens + computed
         worker.rate_busy_s = keep * worker.rate_busy_s + busy_s

@@ -272,7 +272,7 @@ class Tracked:
     refused_since: float | None = None  # its first refusal in this stage (prefill, then decode)
     requeued: bool = False  # back in the queue after losing its worker: goes ahead
     virtual_start: float | None = None  # its place in the tenants' fair queue
-    dispatched_at: float = 0.0  # when its prefill was dispatched
+    dispatched_at: float | None = None  # when this scheduler dispatched its prefill (None: adopted)
     late: bool = False  # predicted to miss the TTFT SLO: queued behind those that can meet it
     local: bool = False  # prefilled by the worker that decodes it (no handoff)
     prefill: PrefillDone | None = None  # set once prefill is done, for decode (re)placement

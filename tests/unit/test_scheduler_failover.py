@@ -171,6 +171,25 @@ def test_an_adopted_prefill_whose_prompt_never_comes_fails_cleanly():
     new.check_invariants()
 
 
+def test_an_adopted_prefill_teaches_no_rate_and_starts_the_workers_next_stretch():
+    """A scheduler that took over does not know when a prefill it adopted began: it learns
+    no rate from it (counted from the clock's zero, it read as days of work)."""
+    clock = FakeClock()
+    clock.advance(50_000.0)
+    new = _core(clock)
+    rate = new.workers["p0"].prefill_rate
+    ledger = HeldLedger()
+    spec = make_spec("adopted", prompt_len=4_000)
+    ledger.accepted(PrefillTask(spec=spec, queued_s=0.0, charged_tokens=4_000))
+    report: LoadReport = load_report("p0", "prefill", budget=100_000, seq=2)
+    new.on_event(msgspec.structs.replace(report, held=ledger.roll_call("sched-new")), clock.now)
+    clock.advance(0.5)
+    new.on_event(msgspec.structs.replace(prefill_done(spec, "p0"), spec=spec), clock.now)
+    assert new.workers["p0"].prefill_rate == rate and new.workers["p0"].rate_busy_s == 0.0
+    assert new.workers["p0"].prefill_mark == clock.now
+    new.check_invariants()
+
+
 # --- what a standby keeps ----------------------------------------------------------------
 
 
