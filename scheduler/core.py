@@ -1098,6 +1098,8 @@ class SchedulerCore:
             if worker is None:
                 break
             self._decode_wait.pop(0)
+            if self.fleet.lent and worker.role == "both":
+                self._lending.observe_handover(worker.worker_id in self.fleet.lent)
             actions.append(self._place_decode(tracked, worker, now))
         return actions
 

@@ -19,6 +19,16 @@ workers decode well within the SLO (``_QUICK``) while requests wait late for pre
 Each change waits for a decode's length (the core's learned decode duration) before the
 next, so the decodes it measures ran under it. At least one worker always prefills.
 
+The lent workers' time per token says nothing of the decodes that found no room on them:
+``pick_decode`` hands those to a colocated worker, where they decode between prefill
+iterations, several times over the SLO, while the lent ones run quick and no other worker
+is lent. So a worker is lent too when more than ``_SPILL_SHARE`` of the decodes handed over
+since the last change (at least ``_SPILL_MIN`` of them) went to a colocated worker
+(``observe_handover``). On bursty conversations, colocated, past saturation, one worker
+stayed lent for a whole run while 2,853 of 5,226 handed-over decodes went to colocated
+workers at a median of 140 ms a token (``docs/bench-sim.md``, "Decodes that find no room on
+the lent workers").
+
 While the lent workers' decodes run under ``_LANE`` of the SLO they also take short
 prompts (the core's short-prompt lane, ``SchedulerCore._lent_lane``): under a burst the
 prefill workers queue long prompts, and a short one behind them waits through whole
@@ -60,6 +70,11 @@ _WEIGHT = 0.05
 # (docs/bench-sim.md, "Decodes of one prompt kept together; handed over only where ...").
 _LOCAL_SHARE = 0.25
 _HANDOFF_WEIGHT = 0.02  # the handoff's line: averaged over about 50 handovers
+# Lend another worker when more than this share of the decodes handed over since the last
+# change went to a colocated worker (none lent had room), once that many were handed over.
+# 0.5 rarely fired; 0.1 and 0.2 gave within 3 % of each other (the docs' section).
+_SPILL_SHARE = 0.2
+_SPILL_MIN = 20
 
 
 class Lending:
@@ -73,6 +88,13 @@ class Lending:
         # Averages of (prompt tokens, seconds to the first step, their squares and product) of
         # handed-over decodes (``observe_handoff``).
         self._handoff: tuple[float, float, float, float] | None = None
+        self._handed = self._spilled = 0  # decodes handed over since the last change, and to colocated workers
+
+    def observe_handover(self, to_lent: bool) -> None:
+        """A decode was handed over while workers are lent: to a lent one, or to a colocated
+        worker (``pick_decode`` found no lent one with room)."""
+        self._handed += 1
+        self._spilled += not to_lent
 
     def observe_handoff(self, first_step_s: float, prompt_tokens: int) -> None:
         """A decode handed over to a lent worker took ``first_step_s`` from its placement to
@@ -124,9 +146,11 @@ class Lending:
         lent = bool(fleet.lent)
         tpot = self.tpot[lent]
         # Slow decodes lend a worker; if they are still within the SLO while requests wait
-        # late for prefill, the prefill side needs its workers more, and none is lent.
+        # late for prefill, the prefill side needs its workers more, and none is lent. Decodes
+        # spilled to colocated workers lend one whatever prefill does: each misses the SLO.
         slow = self._seen[lent] and tpot > _SLOW * self.slo_s
-        if slow and len(fleet.prefill) > 1 and (tpot > self.slo_s or not prefill_short()):
+        spill = lent and self._handed >= _SPILL_MIN and self._spilled > _SPILL_SHARE * self._handed
+        if (spill or slow) and len(fleet.prefill) > 1 and (spill or tpot > self.slo_s or not prefill_short()):
             worker = _to_lend(fleet)
             if worker is not None:
                 fleet.lend(worker.worker_id)
@@ -147,6 +171,7 @@ class Lending:
     def _changed(self, worker: WorkerState, now: float) -> str:
         self._changed_at = now
         self._seen = {True: False, False: False}  # measured afresh, under the new split
+        self._handed = self._spilled = 0
         return worker.worker_id
 
 

@@ -106,6 +106,34 @@ def test_quick_lent_decodes_give_a_worker_back_only_while_prefill_is_short() -> 
     assert list(fleet.lent) == ["b"] and lending.taken_back == 1
 
 
+def test_decodes_that_find_no_room_on_the_lent_workers_lend_another_whatever_prefill_does() -> None:
+    # The lent worker decodes well within the SLO, but more than a fifth of the decodes
+    # handed over went to colocated workers (none lent had room): they decode there between
+    # prefill iterations, so another worker is lent even while prefill is short.
+    fleet = colocated_fleet(both("a", held=2), both("b", held=3), both("c", held=1), both("d"))
+    fleet.lend("a")
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    short = lambda: True  # noqa: E731
+    lending.observe(True, 0.7 * TPOT_SLO)  # neither slow nor quick
+    for i in range(19):
+        lending.observe_handover(to_lent=i % 2 == 0)  # 9 of 19 spilled: too few handed over yet
+    assert lending.decide(fleet, short, 10.0, now=0.0) is None
+    lending.observe_handover(to_lent=False)  # 10 of 20
+    assert lending.decide(fleet, short, 10.0, now=1.0) == "b"  # the one decoding most
+    assert set(fleet.lent) == {"a", "b"} and lending.lent_total == 1
+    # Counted afresh after the change: a fifth spilled is not more than a fifth.
+    lending.observe(True, 0.7 * TPOT_SLO)
+    for i in range(20):
+        lending.observe_handover(to_lent=i % 5 != 0)
+    assert lending.decide(fleet, short, 10.0, now=20.0) is None
+    lending.observe_handover(to_lent=False)  # 5 of 21
+    assert lending.decide(fleet, short, 10.0, now=21.0) == "c"
+    for _ in range(40):
+        lending.observe_handover(to_lent=False)
+    assert lending.decide(fleet, short, 10.0, now=40.0) is None  # the last prefill worker stays
+    assert list(fleet.prefill) == ["d"]
+
+
 def test_without_a_tpot_slo_nothing_is_lent() -> None:
     fleet = colocated_fleet(both("a"), both("b"))
     lending = Lending(SchedulerConfig())
@@ -188,6 +216,26 @@ class TestTheCore:
         assert worker.held == {"next": h.core.requests["next"].decode_tokens} and worker.load_tokens == 0
         h.event(request_finished(spec, lent, generated=20))
         assert not worker.held and "next" not in h.core.requests
+
+    def test_the_core_counts_each_decode_handed_to_a_colocated_worker_for_want_of_room(self) -> None:
+        h = self.core()
+        self.slow_decode(h)
+        (lent,) = h.core.fleet.lent
+        h.core.workers[lent].kv_capacity = 1_500  # room for one of these decodes
+        lending = h.core._lending
+
+        def handed_to(rid: str) -> str:
+            spec = make_spec(rid, prompt_len=1_000, max_tokens=20)
+            (prefill,) = dispatches(h.admit(spec))
+            (handoff,) = dispatches(h.event(prefill_done(spec, prefill.worker_id)), DecodeTask)
+            return handoff.worker_id
+
+        assert handed_to("r0") == lent and (lending._handed, lending._spilled) == (1, 0)
+        for rid in ("r1", "r2"):
+            assert handed_to(rid) != lent  # no room there: a colocated worker decodes it
+        assert (lending._handed, lending._spilled) == (3, 2)
+        h.event(request_finished(make_spec("r0", prompt_len=1_000, max_tokens=20), lent, generated=20))
+        assert handed_to("r3") == lent and (lending._handed, lending._spilled) == (4, 2)
 
     @pytest.mark.parametrize(("policy", "tpot_slo_s"), [("llmd", TPOT_SLO), ("switchyard", 0.0)])
     def test_a_peer_or_no_tpot_slo_keeps_every_decode_where_it_was_prefilled(
