@@ -24,7 +24,7 @@ The lent workers' time per token says nothing of the decodes that found no room 
 iterations, several times over the SLO, while the lent ones run quick and no other worker
 is lent. So a worker is lent too when more than ``_SPILL_SHARE`` of the decodes handed over
 since the last change (at least ``_SPILL_MIN`` of them) went to a colocated worker
-(``observe_handover``). On bursty conversations, colocated, past saturation, one worker
+(``observe_handover``), and none is taken back while any has since the last change. On bursty conversations, colocated, past saturation, one worker
 stayed lent for a whole run while 2,853 of 5,226 handed-over decodes went to colocated
 workers at a median of 140 ms a token (``docs/bench-sim.md``, "Decodes that find no room on
 the lent workers").
@@ -156,7 +156,14 @@ class Lending:
                 fleet.lend(worker.worker_id)
                 self.lent_total += 1
                 return self._changed(worker, now)
-        if lent and self._seen[True] and self.tpot[True] < _QUICK * self.slo_s and prefill_short():
+        # Not while decodes spill: the one taken back would make more of them spill.
+        if (
+            lent
+            and not self._spilled
+            and self._seen[True]
+            and self.tpot[True] < _QUICK * self.slo_s
+            and prefill_short()
+        ):
             worker = min(fleet.lent.values(), key=lambda w: (len(w.held), w.worker_id))
             fleet.take_back(worker.worker_id)
             self.taken_back += 1

@@ -134,6 +134,20 @@ def test_decodes_that_find_no_room_on_the_lent_workers_lend_another_whatever_pre
     assert list(fleet.prefill) == ["d"]
 
 
+def test_no_worker_is_taken_back_while_decodes_spill_to_colocated_workers() -> None:
+    # Quick lent decodes and late prompts would give a worker back, but one decode since the
+    # last change found no lent worker with room: taking one back would spill more.
+    fleet = colocated_fleet(both("a"), both("b", held=2), both("c", held=1))
+    fleet.lend("b")
+    fleet.lend("c")
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    lending.observe(True, QUICK)
+    for i in range(10):
+        lending.observe_handover(to_lent=i != 3)
+    assert lending.decide(fleet, lambda: True, 10.0, now=0.0) is None
+    assert set(fleet.lent) == {"b", "c"} and lending.taken_back == 0
+
+
 def test_without_a_tpot_slo_nothing_is_lent() -> None:
     fleet = colocated_fleet(both("a"), both("b"))
     lending = Lending(SchedulerConfig())
