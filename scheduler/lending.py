@@ -24,10 +24,11 @@ The lent workers' time per token says nothing of the decodes that found no room 
 iterations, several times over the SLO, while the lent ones run quick and no other worker
 is lent. So a worker is lent too when more than ``_SPILL_SHARE`` of the decodes handed over
 since the last change (at least ``_SPILL_MIN`` of them) went to a colocated worker
-(``observe_handover``), and none is taken back while any has since the last change. On bursty conversations, colocated, past saturation, one worker
-stayed lent for a whole run while 2,853 of 5,226 handed-over decodes went to colocated
-workers at a median of 140 ms a token (``docs/bench-sim.md``, "Decodes that find no room on
-the lent workers").
+(``observe_handover``), and none is taken back while any has since the last change. On
+bursty conversations, colocated, past saturation, one worker stayed lent for a whole run
+while 2,853 of 5,226 handed-over decodes went to colocated workers, whose decodes ran at a
+median of 140 ms a token (``docs/bench-sim.md``, "Decodes that find no room on the lent
+workers").
 
 While the lent workers' decodes run under ``_LANE`` of the SLO they also take short
 prompts (the core's short-prompt lane, ``SchedulerCore._lent_lane``): under a burst the
