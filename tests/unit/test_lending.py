@@ -95,12 +95,18 @@ def test_while_prefill_is_short_only_decodes_past_the_slo_lend_a_worker() -> Non
     assert lending.decide(fleet, short, 10.0, now=0.0) == "b"
 
 
-def test_quick_lent_decodes_give_a_worker_back_only_while_prefill_is_short() -> None:
+def two_lent_decoding_quick() -> tuple[Fleet, Lending]:
+    """Three colocated workers, b and c lent, their decodes measured quick."""
     fleet = colocated_fleet(both("a"), both("b", held=2), both("c", held=1))
     fleet.lend("b")
     fleet.lend("c")
     lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
     lending.observe(True, QUICK)
+    return fleet, lending
+
+
+def test_quick_lent_decodes_give_a_worker_back_only_while_prefill_is_short() -> None:
+    fleet, lending = two_lent_decoding_quick()
     assert lending.decide(fleet, lambda: False, 10.0, now=0.0) is None  # prefill keeps up
     assert lending.decide(fleet, lambda: True, 10.0, now=0.0) == "c"  # the one decoding fewest
     assert list(fleet.lent) == ["b"] and lending.taken_back == 1
@@ -137,11 +143,7 @@ def test_decodes_that_find_no_room_on_the_lent_workers_lend_another_whatever_pre
 def test_no_worker_is_taken_back_while_decodes_spill_to_colocated_workers() -> None:
     # Quick lent decodes and late prompts would give a worker back, but one decode since the
     # last change found no lent worker with room: taking one back would spill more.
-    fleet = colocated_fleet(both("a"), both("b", held=2), both("c", held=1))
-    fleet.lend("b")
-    fleet.lend("c")
-    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
-    lending.observe(True, QUICK)
+    fleet, lending = two_lent_decoding_quick()
     for i in range(10):
         lending.observe_handover(to_lent=i != 3)
     assert lending.decide(fleet, lambda: True, 10.0, now=0.0) is None
