@@ -496,13 +496,16 @@ class FleetShape:
     prefill_token_budget: int = 65_536
     host_cache_blocks: int = 0  # below the device tier, per worker; 0: none
     disk_cache_blocks: int = 0
+    # Disaggregated, with prefill workers of role "both": they prefill and hand over as prefill
+    # workers do, and ``switchyard`` may lend them to decoding (``scheduler.lending``).
+    lendable: bool = False
     roles: dict[str, Role] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.colocated:
             self.roles = {f"both-{i}": "both" for i in range(self.prefill + self.decode)}
         else:
-            self.roles = {f"prefill-{i}": "prefill" for i in range(self.prefill)}
+            self.roles = {f"prefill-{i}": "both" if self.lendable else "prefill" for i in range(self.prefill)}
             self.roles |= {f"decode-{i}": "decode" for i in range(self.decode)}
 
 

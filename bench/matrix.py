@@ -61,18 +61,21 @@ class Case:
     decode: int
     colocated: bool
     cache: str  # a key of TIERS
+    # Disaggregated, the prefill workers of role "both" (``bench sim --lendable``): every
+    # policy runs on them; only ``switchyard`` lends them to decoding.
+    lendable: bool = False
 
     @property
     def name(self) -> str:
         shape = f"colocated{self.prefill + self.decode}" if self.colocated else f"{self.prefill}p{self.decode}d"
-        return f"{self.trace}-{shape}-{self.cache}"
+        return f"{self.trace}-{shape}{'_lendable' if self.lendable else ''}-{self.cache}"
 
     def sim_argv(self) -> list[str]:
         """The ``bench sim`` flags of this case's fleet and cache."""
         device, host, disk = TIERS[self.cache]
         argv = ["--prefill", str(self.prefill), "--decode", str(self.decode), "--cache-blocks", str(device)]
         argv += ["--host-cache-blocks", str(host), "--disk-cache-blocks", str(disk)]
-        return argv + (["--colocated"] if self.colocated else [])
+        return argv + (["--colocated"] if self.colocated else []) + (["--lendable"] if self.lendable else [])
 
 
 CASES = (
@@ -83,6 +86,7 @@ CASES = (
     ),
     Case("azure", 6, 2, False, "device"),
     Case("azure", 4, 4, True, "device"),
+    Case("mooncake", 6, 2, False, "device", lendable=True),
 )
 
 

@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--colocated", action="store_true", help="prefill+decode workers of role 'both' instead (no disaggregation)"
     )
+    p.add_argument(
+        "--lendable",
+        action="store_true",
+        help="disaggregated, but the prefill workers are of role 'both': switchyard may lend them to decoding",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/sim"), help="results folder")
     p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument(
@@ -179,6 +184,7 @@ def settings_of(args: argparse.Namespace, policy: str, time_scale: float) -> Rep
         args.prefill_token_budget,
         host_cache_blocks=args.host_cache_blocks,
         disk_cache_blocks=args.disk_cache_blocks,
+        lendable=getattr(args, "lendable", False),
     )
     return ReplaySettings(
         policy=policy,

@@ -587,11 +587,14 @@ class SchedulerCore:
         """Colocated workers lent to decoding, and back (``Lending``), from the time per
         output token of each finished decode."""
         roles = self.fleet.roles
-        colocated = roles["both"] > 0 and roles["prefill"] == roles["decode"] == 0
-        if not colocated or not self._slo_aware_on or tracked.decode_started is None or tracked.phase != "decode":
+        lending = roles["both"] > 0 and roles["prefill"] == 0  # colocated workers, and decode ones or none
+        if not lending or not self._slo_aware_on or tracked.decode_started is None or tracked.phase != "decode":
+            return
+        worker = self.workers.get(tracked.worker_id or "")
+        if worker is None:
             return
         tpot = (now - tracked.decode_started) / max(1, finished.generated_tokens - 1)
-        lent = tracked.worker_id in self.fleet.lent
+        lent = self.fleet.takes_handovers(worker)
         self._lending.observe(lent, tpot)
         step_s, generated = finished.step_s, finished.generated_tokens
         if lent and not tracked.local and 0 <= step_s < math.inf and (step_s > 0 or generated <= 2):
@@ -941,10 +944,12 @@ class SchedulerCore:
     def _decodes_in_place(self, tracked: Tracked, worker: WorkerState) -> bool:
         """Whether a colocated worker decodes what it prefills: unless some are lent to
         decoding and the request's handoff is cheap for its answer (``Lending.keeps_local``)."""
-        lent = self.fleet.lent
-        if not lent:
+        if not self.fleet.hands_over:
             return True
-        if worker.worker_id in lent:
+        if worker.worker_id in self.fleet.lent or self.fleet.decode:
+            # Beside decode workers it prefills as a prefill worker does: a decode kept here
+            # would wait through its prefill iterations (on tool agents, 6 + 2, at the best
+            # peer's peak: 480 ms a token against 26 on the decode workers).
             return False
         return self._lending.keeps_local(tracked.prompt_tokens, tracked.spec.sampling.max_tokens)
 
@@ -1092,14 +1097,14 @@ class SchedulerCore:
         while self._decode_wait:
             tracked = self.requests[self._decode_wait[0]]
             decoders = None
-            if tracked.refused_by and self.fleet.decode and not self.fleet.lent:  # (a colocated fleet: the lent)
+            if tracked.refused_by and self.fleet.decode and not self.fleet.roles["both"]:  # (else ``pick_decode``)
                 decoders = self._not_refused(tracked, self.fleet.decode)
             worker = self.placer.decode(tracked, decoders or self.fleet, idle_only=self._decodes_slow())
             if worker is None:
                 break
             self._decode_wait.pop(0)
-            if self.fleet.lent and worker.role == "both":
-                self._lending.observe_handover(worker.worker_id in self.fleet.lent)
+            if self.fleet.hands_over:
+                self._lending.observe_handover(self.fleet.takes_handovers(worker))
             actions.append(self._place_decode(tracked, worker, now))
         return actions
 

@@ -30,6 +30,17 @@ while 2,853 of 5,226 handed-over decodes went to colocated workers, whose decode
 median of 140 ms a token (``docs/bench-sim.md``, "Decodes that find no room on the lent
 workers").
 
+Beside decode workers (``Fleet.hands_over``: a disaggregated fleet whose prefill workers are
+colocated ones) the decode workers count as lent from the start: the colocated workers hand
+every decode over, the decode workers' decodes are what lends one of them, and a handover
+goes to the decode or lent worker decoding fewest. The prefill workers' spare time is then
+what the decode side borrows when it runs slow. On tool agents, 6 + 2, the two decode
+workers were busy 98-99 % of the time at the peak while the six prefill workers were busy
+55 %: lending one there took the peak from 22.7 to 25.9 requests/s (``docs/bench-sim.md``,
+"Prefill workers lent to decoding"). One is taken back only if the decodes would stay under
+``_SLOW`` with one taker fewer (``_stays_quick``): two decode workers and one lent, quick,
+would otherwise give it back and lend it again a decode later.
+
 While the lent workers' decodes run under ``_LANE`` of the SLO they also take short
 prompts (the core's short-prompt lane, ``SchedulerCore._lent_lane``): under a burst the
 prefill workers queue long prompts, and a short one behind them waits through whole
@@ -144,7 +155,7 @@ class Lending:
         whether requests wait late for prefill capacity (asked only when it matters)."""
         if self.slo_s <= 0 or now - self._changed_at < settle_s:
             return None
-        lent = bool(fleet.lent)
+        lent = fleet.hands_over  # the decodes of the workers that take handovers, once any do
         tpot = self.tpot[lent]
         # Slow decodes lend a worker; if they are still within the SLO while requests wait
         # late for prefill, the prefill side needs its workers more, and none is lent. Decodes
@@ -159,10 +170,11 @@ class Lending:
                 return self._changed(worker, now)
         # Not while decodes spill: the one taken back would make more of them spill.
         if (
-            lent
+            fleet.lent
             and not self._spilled
             and self._seen[True]
             and self.tpot[True] < _QUICK * self.slo_s
+            and self._stays_quick(fleet)
             and prefill_short()
         ):
             worker = min(fleet.lent.values(), key=lambda w: (len(w.held), w.worker_id))
@@ -170,6 +182,17 @@ class Lending:
             self.taken_back += 1
             return self._changed(worker, now)
         return None
+
+    def _stays_quick(self, fleet: Fleet) -> bool:
+        """Beside decode workers: whether the decodes would still run under ``_SLOW`` of the
+        SLO with one taker fewer, their load spread over the rest (a step's time taken as
+        its sequences'). Two decode workers and one lent: taking it back puts half as much
+        again on each, and the next decodes lend it again (on tool agents, 6 + 2, at the
+        peak: 9 lendings and 8 takings back in 720 s)."""
+        if not fleet.decode:
+            return True  # colocated: what the lent decodes measure after a take-back differs in kind
+        takers = len(fleet.decode) + len(fleet.lent)
+        return self.tpot[True] * takers / (takers - 1) < _SLOW * self.slo_s
 
     def lane_open(self) -> bool:
         """Whether the lent workers' decodes have room for prompts of their own: measured
@@ -193,17 +216,19 @@ def _to_lend(fleet: Fleet) -> WorkerState | None:
 
 
 def pick_decode(fleet: Fleet, tokens: int, spec: RequestSpec | None = None) -> WorkerState | None:
-    """Where a colocated fleet decodes a handed-over request: the lent worker with room that
-    decodes the fewest sequences; with none, the colocated worker with room that has the
-    fewest prompt tokens on its ledger (then the fewest decodes). Room for its KV less the
-    prompt blocks decodes there already hold (``WorkerState.hold_decode``)."""
+    """Where a fleet of colocated workers decodes a handed-over request: the worker with room
+    that takes handovers (lent, or a decode worker beside them) and decodes the fewest
+    sequences; with none, the colocated worker with room that has the fewest prompt tokens
+    on its ledger (then the fewest decodes). Room for its KV less the prompt blocks decodes
+    there already hold (``WorkerState.hold_decode``; a decode worker's ledger, ``fits``)."""
 
     def room(w: WorkerState) -> bool:
-        return w.kv_room(tokens - (w.sharing(shareable_keys(spec, w)) if spec is not None else 0))
+        need = tokens - (w.sharing(shareable_keys(spec, w)) if spec is not None else 0)
+        return w.fits(need) if w.role == "decode" else w.kv_room(need)
 
-    lent = [w for w in fleet.lent.values() if room(w)]
-    if lent:
-        return min(lent, key=lambda w: (len(w.held), w.worker_id))
+    takers = [w for w in (*fleet.lent.values(), *fleet.decode.values()) if room(w)]
+    if takers:
+        return min(takers, key=lambda w: (len(w.assigned if w.role == "decode" else w.held), w.worker_id))
     both = [w for w in fleet.prefill.values() if w.role == "both" and room(w)]
     return min(both, key=lambda w: (w.load_tokens, len(w.held), w.worker_id)) if both else None
 

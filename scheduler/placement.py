@@ -214,7 +214,7 @@ class Placer:
         tokens, spec = request.decode_tokens, request.spec  # computed once, not once a worker
         if isinstance(workers, Fleet):
             if workers.lent or (workers.roles["both"] and not workers.decode):
-                return pick_decode(workers, tokens, spec)  # colocated: handed over to a lent worker
+                return pick_decode(workers, tokens, spec)  # colocated: handed over to a lent (or decode) worker
             if idle_only:
                 return min(_idle_decode(workers.decode.values()), key=decode_cost, default=None)
             if self._choose_decode is None:

@@ -447,7 +447,7 @@ class Fleet:
         self._factor_sum[role] += factor
         self.factor[slot], self.rate[slot] = factor, self.shared_rate[role]
         worker.fleet = self
-        if self.lent and worker.role != "both":  # lending is for a pure colocated fleet only
+        if self.lent and worker.role == "prefill":  # lending is for fleets of colocated workers only
             for lent in list(self.lent):
                 self.take_back(lent)
         self.version += 1
@@ -481,6 +481,17 @@ class Fleet:
             getattr(self, name)[slot] = free
         self.version += 1
         return worker
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether colocated workers hand their decodes over: some are lent to decoding, or
+        decode workers serve beside them (a disaggregated fleet whose prefill workers are
+        colocated ones, which ``switchyard`` may lend to decoding)."""
+        return bool(self.lent) or bool(self.roles["both"] and self.decode)
+
+    def takes_handovers(self, worker: WorkerState) -> bool:
+        """Whether ``worker`` decodes what others prefilled: a decode worker, or a lent one."""
+        return worker.role == "decode" or worker.worker_id in self.lent
 
     def lend(self, worker_id: str) -> None:
         """Lend a colocated worker to decoding: no prompt is placed on it from now on."""
@@ -685,12 +696,12 @@ class Fleet:
         """By slot, the budget a prompt must fit (``load == 0 or load + need <= it``): the
         worker's own, or with ``hold_s`` set, at most ``hold_s`` of prefill at its rate for
         a worker that hands its prompts over to others to decode (role ``prefill``, and
-        colocated ones while some are lent). So their queues stay short and what waits,
+        colocated ones while they hand over, ``hands_over``). So their queues stay short and what waits,
         waits in the core's queue, where shorter prompts go first; a prompt longer than
         that runs on such a worker once it is idle."""
         if self.hold_s <= 0:
             return self.budget
-        handing_over = (self.colocated == 0) | bool(self.lent)
+        handing_over = (self.colocated == 0) | self.hands_over
         held: npt.NDArray[np.float64] = np.where(
             handing_over, np.minimum(self.budget, self.hold_s * self.rate), self.budget
         )
@@ -806,7 +817,7 @@ class Fleet:
         assert set(self.workers) == set(self.prefill) | set(self.decode) | set(self.lent)
         assert len(self.workers) == len(self.prefill) + len(self.decode) + len(self.lent)
         assert self.prefill or not self.lent, "lent workers and none that prefills"
-        assert not self.lent or set(self.roles.elements()) == {"both"}, "lent workers in a mixed fleet"
+        assert not self.lent or not self.roles["prefill"], "lent workers beside prefill workers"
         assert self.decode_capacity == sum(kv_share(w) for w in self.workers.values())
         assert self.decode_saved == sum(w.shared.saved for w in self.workers.values() if w.shared is not None)
         holding: dict[int, int] = {}

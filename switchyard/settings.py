@@ -66,7 +66,9 @@ class UpConfig(ConfigStruct, frozen=True, kw_only=True):
         int,
         setting(
             "colocated workers (role both: each prefills and decodes; with a TPOT SLO the scheduler lends some "
-            "to decoding). A fleet of only colocated workers takes --prefill 0 --decode 0",
+            "to decoding). A fleet of only colocated workers takes --prefill 0 --decode 0; beside decode workers "
+            "(--prefill 0 --decode 2) they prefill and hand over as prefill workers do, and are lent to decoding "
+            "when the decode workers run slow",
             ge=0,
         ),
     ] = 0

@@ -87,6 +87,48 @@ def test_colocated_fleet_lends_a_worker_and_loses_nothing(nats) -> None:
         assert wait_until(lambda: all(w.inflight_tokens == 0 for w in core.status().workers))
 
 
+def test_a_disaggregated_fleet_lends_a_colocated_prefill_worker_beside_the_decode_worker(nats) -> None:
+    """Prefill workers of role ``both`` beside a decode worker (``docs/architecture.md``,
+    "Colocated workers lent to decoding"): they prefill and hand every decode over, to the
+    decode worker; once its decodes run slow one of them is lent and takes handovers too.
+    Every request completes whole."""
+    sched = SchedulerConfig(worker_expiry_s=1.0, ttft_slo_s=5.0, tpot_slo_s=0.01)
+    with running_stack(nats.url, prefill=0, decode=0, scheduler=sched) as stack:
+        prefillers = [stack.add_worker(worker_config(nats.url, "both", SLOW_DECODE)) for _ in range(2)]
+        decoder = stack.add_worker(worker_config(nats.url, "decode", SLOW_DECODE))
+        stack.wait_healthy(2, 3)
+        received: dict[str, list[str]] = {}
+        for worker in (*prefillers, decoder):
+            offer, name = worker.role.offer, worker.config.worker_id
+
+            def recording(task, headers, offer=offer, name=name):  # type: ignore[no-untyped-def]
+                received.setdefault(name, []).append(type(task).__name__)
+                return offer(task, headers)
+
+            worker.role.offer = recording  # type: ignore[method-assign]
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30)
+
+        def ask(i: int) -> tuple[str, str | None]:
+            done = client.completions.create(
+                model=MODEL, prompt=f"coupling {i} " * 30, max_tokens=TOKENS, temperature=0
+            )
+            assert done.usage is not None and done.usage.completion_tokens == TOKENS
+            return done.choices[0].text, done.choices[0].finish_reason
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(ask, range(24)))
+        assert all(text and finish == "length" for text, finish in results)
+        core = stack.scheduler.core
+        assert core._lending.lent_total >= 1, "slow decodes lent no prefill worker"
+        decoder_id = decoder.config.worker_id
+        assert set(received[decoder_id]) == {"DecodeTask"}  # it decodes what they prefilled
+        by_prefiller = [received.get(w.config.worker_id, []) for w in prefillers]
+        assert any("DecodeTask" in tasks for tasks in by_prefiller), "no lent prefill worker took a handover"
+        assert sum(w.role.handed_off for w in prefillers) > 0
+        assert wait_until(lambda: all(w.role.running() == 0 and w.role.inflight_tokens() == 0 for w in prefillers))
+        assert wait_until(lambda: all(w.inflight_tokens == 0 for w in core.status().workers))
+
+
 def _colocated_process(nats_url: str, worker_id: str) -> subprocess.Popen:
     """A colocated worker in its own process, decoding as slowly as ``SLOW_DECODE``, so that
     the test can SIGKILL it."""

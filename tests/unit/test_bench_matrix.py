@@ -20,7 +20,9 @@ def test_cases_are_named_by_trace_shape_and_cache_and_unknown_ones_refused():
     assert {"mooncake-4p4d-device", "mooncake-colocated8-tiered", "azure-6p2d-device", "azure-colocated8-device"} <= {
         *names
     }
-    assert len(names) == len(set(names)) == 8
+    assert len(names) == len(set(names)) == 9
+    lendable = matrix.select_cases("mooncake-6p2d_lendable-device")[0]
+    assert lendable.sim_argv()[-1] == "--lendable" and not lendable.colocated  # prefill workers of role both
     assert [c.name for c in matrix.select_cases("azure-6p2d-device,mooncake-4p4d-tiered")] == [
         "mooncake-4p4d-tiered",
         "azure-6p2d-device",

@@ -499,3 +499,40 @@ def test_slow_handoffs_do_not_close_decode_workers_that_step_quickly():
     assert out.status == ["done"] * len(requests)
     handoffs = [(out.last_token[i] - out.first_token[i]) / 2 for i in range(0, len(requests), 2)]
     assert min(handoffs) > 0.05  # the handoff alone misses the SLO
+
+
+@pytest.mark.parametrize("policy", ["switchyard", "llmd"])
+def test_a_lendable_fleet_lends_its_prefill_workers_to_decoding_under_switchyard_only(policy):
+    # One decode worker and three prefill workers of role "both" (``--lendable``), 200 prompts
+    # of 2,000 tokens with 300-token answers 50 ms apart: decode-bound. Only ``switchyard``
+    # lends; it loses no request where the plain 3 + 1 fleet refuses some.
+    requests = [TraceRequest(0.05 * i, 2_000, 300, [10_000 + 4 * i + j for j in range(4)]) for i in range(200)]
+    decoded_on: dict[str, int] = {}
+
+    def run(lendable: bool) -> Replay:
+        shape = FleetShape(3, 1, lendable=lendable)
+        assert list(shape.roles.values()) == (["both"] * 3 if lendable else ["prefill"] * 3) + ["decode"]
+        run = Replay(requests, ReplaySettings(policy=policy, shape=shape, ttft_slo_s=2.0, tpot_slo_s=0.03))
+        for worker in run.workers.values():
+            accept = worker.accept
+
+            def counted(task, now, accept=accept, worker_id=worker.worker_id):
+                if isinstance(task, DecodeTask):
+                    decoded_on[worker_id] = decoded_on.get(worker_id, 0) + 1
+                return accept(task, now)
+
+            worker.accept = counted  # type: ignore[method-assign]
+        run.run()
+        return run
+
+    lendable = run(True)
+    lent = lendable.core._lending.lent_total
+    if policy == "llmd":
+        assert lent == 0 and set(decoded_on) == {"decode-0"}  # a peer hands every decode to the decode worker
+        return
+    assert lent >= 1 and lendable.outcomes.status.count("done") == 200
+    assert {w for w in decoded_on if w.startswith("prefill-")}, decoded_on  # a lent one decoded some
+    decoded_on.clear()
+    plain = run(False)
+    assert plain.core._lending.lent_total == 0 and set(decoded_on) == {"decode-0"}
+    assert plain.outcomes.status.count("done") < 200

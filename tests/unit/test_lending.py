@@ -52,15 +52,15 @@ def test_a_lent_worker_leaves_the_prefill_workers_and_comes_back_in_its_place() 
     fleet.check_invariants()
 
 
-def test_a_worker_of_another_role_joining_takes_every_lent_worker_back() -> None:
-    # Lending is for a fleet of colocated workers only: once a prefill or decode worker
-    # joins, the core no longer lends (``_lend``), so nothing may stay lent either.
-    for role in ("prefill", "decode"):
+def test_a_prefill_worker_joining_takes_every_lent_worker_back_and_a_decode_worker_does_not() -> None:
+    # Lending is for fleets of colocated workers, with decode workers beside them or none:
+    # once a prefill worker joins, the core no longer lends (``_lend``), so nothing may stay lent.
+    for role, kept in (("prefill", False), ("decode", True)):
         fleet = colocated_fleet(both("a"), both("b"), both("c"))
         fleet.lend("b")
         fleet.lend("c")
         fleet.add(WorkerState("x", role, token_budget=100_000, block_size=16, last_seen=0.0))  # type: ignore[arg-type]
-        assert not fleet.lent and set(fleet.prefill) >= {"a", "b", "c"}, role
+        assert (set(fleet.lent) == {"b", "c"}) is kept and set(fleet.prefill) >= ({"a"} if kept else {"a", "b", "c"})
         fleet.check_invariants()
 
 
@@ -391,3 +391,97 @@ def test_a_request_decodes_where_it_was_prefilled_when_its_handoff_would_cost_it
         lending.observe_handoff(0.05 + size * 3e-6, size)
     assert lending.keeps_local(prompt, max_tokens) is local
     assert not Lending(SchedulerConfig(tpot_slo_s=0.0)).keeps_local(prompt, max_tokens)  # no TPOT SLO
+
+
+# --- disaggregated, the prefill workers colocated ones: lent to decoding beside the decode workers ---
+
+
+def decode(worker_id: str, sequences: int = 0) -> WorkerState:
+    worker = WorkerState(worker_id, "decode", token_budget=10_000, block_size=16, last_seen=0.0)
+    for i in range(sequences):
+        worker.assign_decode(f"{worker_id}-seq{i}", 100, ())
+    return worker
+
+
+def test_beside_decode_workers_colocated_ones_hand_over_and_slow_decodes_there_lend_one() -> None:
+    fleet = colocated_fleet(both("a"), both("b", held=1), both("c"), decode("d0", 3), decode("d1", 2))
+    assert fleet.hands_over and not fleet.lent  # every decode is handed over, to a decode worker
+    assert fleet.takes_handovers(fleet.workers["d0"]) and not fleet.takes_handovers(fleet.workers["b"])
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    never = lambda: False  # noqa: E731
+    lending.observe(False, 2 * TPOT_SLO)  # a decode kept on a colocated worker: not what lends here
+    assert lending.decide(fleet, never, 10.0, now=0.0) is None
+    lending.observe(True, SLOW)  # the decode workers' decodes run slow
+    assert lending.decide(fleet, never, 10.0, now=1.0) == "b" and list(fleet.lent) == ["b"]
+    fleet.check_invariants()
+
+
+def test_beside_decode_workers_a_handover_goes_to_the_taker_decoding_fewest_then_spills() -> None:
+    fleet = colocated_fleet(both("a"), both("b"), decode("d0", 3), decode("d1", 2))
+    fleet.lend("b")
+    assert pick_decode(fleet, 100).worker_id == "b"  # lent, decoding nothing
+    for i in range(3):
+        fleet.workers["b"].hold(f"b-seq{i}", 100)
+    assert pick_decode(fleet, 100).worker_id == "d1"  # a decode worker decoding fewer
+    assert pick_decode(fleet, 9_950).worker_id == "a"  # room nowhere that takes handovers: it spills
+
+
+@pytest.mark.parametrize(("tpot_share", "given_back"), [(0.5, True), (0.59, False)])
+def test_beside_decode_workers_a_lent_worker_comes_back_only_if_the_rest_would_stay_quick(
+    tpot_share: float, given_back: bool
+) -> None:
+    # Two decode workers and one lent, quick (under 0.6 of the SLO): with one taker fewer the
+    # same decodes spread over two, half as much again on each; at 0.59 of the SLO that is
+    # 0.885, past the share that lends a worker, and it would be lent again at once.
+    fleet = colocated_fleet(both("a"), both("b", held=2), both("c"), decode("d0"), decode("d1"))
+    fleet.lend("b")
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    lending.observe(True, tpot_share * TPOT_SLO)
+    assert (lending.decide(fleet, lambda: True, 10.0, now=0.0) == "b") is given_back
+    # A fleet of colocated workers alone takes back by the lent decodes' own measure, as before.
+    fleet, lending = two_lent_decoding_quick()
+    lending.observe(True, 0.59 * TPOT_SLO)
+    assert lending.decide(fleet, lambda: True, 10.0, now=0.0) == "c"
+
+
+class TestBesideDecodeWorkers:
+    """The core on two colocated workers and a decode worker, with a TPOT SLO."""
+
+    @staticmethod
+    def core() -> Colocated:
+        h = Colocated(policy="switchyard", ttft_slo_s=2.0, tpot_slo_s=TPOT_SLO, worker_expiry_s=1_000.0)
+        for i in range(2):
+            h.report(f"c{i}", role="both", budget=BOTH_BUDGET)
+        h.report("d0", role="decode", budget=BOTH_BUDGET)
+        return h
+
+    def test_prompts_are_handed_over_to_the_decode_worker_until_its_slow_decodes_lend_one(self) -> None:
+        h = self.core()
+        spec = make_spec("first", prompt_len=1_000, max_tokens=21)
+        (prefill,) = dispatches(h.admit(spec))
+        assert isinstance(prefill.task, PrefillTask) and prefill.worker_id != "d0"  # not a LocalTask
+        (handoff,) = dispatches(h.event(prefill_done(spec, prefill.worker_id, prefill_s=0.1)), DecodeTask)
+        assert handoff.worker_id == "d0" and not h.core.fleet.lent
+        h.clock.advance(10.0)  # 0.5 s a token
+        h.event(request_finished(spec, "d0", generated=21))
+        (lent,) = h.core.fleet.lent
+        assert h.core.workers[lent].role == "both"
+        nxt = make_spec("next", prompt_len=1_000, max_tokens=21)
+        (prefill,) = dispatches(h.admit(nxt))
+        assert isinstance(prefill.task, PrefillTask) and prefill.worker_id not in (lent, "d0")
+        (handoff,) = dispatches(h.event(prefill_done(nxt, prefill.worker_id)), DecodeTask)
+        assert handoff.worker_id == lent  # decoding fewest of those that take handovers
+        assert lent in h.core.fleet.lent and "next" in h.core.workers[lent].held
+
+    def test_a_peer_never_lends_beside_decode_workers(self) -> None:
+        h = Colocated(policy="llmd", ttft_slo_s=2.0, tpot_slo_s=TPOT_SLO, worker_expiry_s=1_000.0)
+        for i in range(2):
+            h.report(f"c{i}", role="both", budget=BOTH_BUDGET)
+        h.report("d0", role="decode", budget=BOTH_BUDGET)
+        spec = make_spec("first", prompt_len=1_000, max_tokens=21)
+        (prefill,) = dispatches(h.admit(spec))
+        assert isinstance(prefill.task, PrefillTask)
+        (handoff,) = dispatches(h.event(prefill_done(spec, prefill.worker_id, prefill_s=0.1)), DecodeTask)
+        h.clock.advance(10.0)
+        h.event(request_finished(spec, handoff.worker_id, generated=21))
+        assert not h.core.fleet.lent
