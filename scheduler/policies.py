@@ -131,8 +131,9 @@ class PlacementView:
 
 
 def queue_weight(fleet: Fleet | None) -> float:
-    """``_QUEUE_WEIGHT``, or 0 while ``fleet`` has been busy lately (``Fleet.busy``)."""
-    return 0.0 if fleet is not None and fleet.busy else _QUEUE_WEIGHT
+    """``_QUEUE_WEIGHT``, or 0 while ``fleet`` has been busy lately (``Fleet.busy``) or has
+    decode workers (its colocated workers then hand their decodes over, as prefill workers do)."""
+    return 0.0 if fleet is not None and (fleet.busy or fleet.decode) else _QUEUE_WEIGHT
 
 
 def worker_fleet_slack(worker: WorkerState) -> bool:
@@ -336,9 +337,9 @@ class Switchyard:
 
 
 def spreads(fleet: Fleet) -> bool:
-    """Whether ties go to the worker filled longest ago: not on a fleet with colocated
-    workers while it has been busy lately."""
-    return not fleet.roles["both"] or not fleet.busy
+    """Whether ties go to the worker filled longest ago: not on a fleet of colocated
+    workers (with no decode workers beside them) while it has been busy lately."""
+    return not fleet.roles["both"] or bool(fleet.decode) or not fleet.busy
 
 
 def spread_slots(
