@@ -187,6 +187,7 @@ class SchedulerCore:
         self.sessions = SessionTable(config.session_ttl_s)
         self.placer = Placer(config, self.index)
         self._slo_aware_on = config.ttft_slo_s > 0 and self.placer.policy.slo_aware  # fixed: read per request
+        self.fleet.lends = self._slo_aware_on and config.tpot_slo_s > 0  # (``Lending``; before any worker joins)
         self._queue = FairQueue(_SIZE_WEIGHT if self._slo_aware_on else 0.0)
         self._decode_wait: list[str] = []  # prefilled, waiting for decode room, FIFO
         # Decode admission: the KV tokens (prompt + max_tokens) every request in flight can
@@ -511,7 +512,7 @@ class SchedulerCore:
 
     def decode_capacity(self) -> int:
         """KV tokens the decode fleet holds at once: decode workers' budgets, colocated
-        workers' KV capacity."""
+        workers' KV capacity (beside decode workers, the lent ones', ``state.kv_share``)."""
         return self.fleet.decode_capacity  # kept as workers join, leave and report
 
     def _decode_refusal(self, rid: str, decode_tokens: int) -> Rejected | None:
@@ -1097,7 +1098,7 @@ class SchedulerCore:
         while self._decode_wait:
             tracked = self.requests[self._decode_wait[0]]
             decoders = None
-            if tracked.refused_by and self.fleet.decode and not self.fleet.roles["both"]:  # (else ``pick_decode``)
+            if tracked.refused_by and self.fleet.decode and not self.fleet.lent:  # (with some lent: ``pick_decode``)
                 decoders = self._not_refused(tracked, self.fleet.decode)
             worker = self.placer.decode(tracked, decoders or self.fleet, idle_only=self._decodes_slow())
             if worker is None:

@@ -26,6 +26,15 @@ log = logging.getLogger(__name__)
 CHARS_PER_TOKEN = 4  # SGLang's tree counts characters, llm-d estimates tokens from them: 4 a token
 
 
+def role_of(worker: WorkerState) -> str:
+    """The worker's role as a peer's deployment has it: a colocated worker beside decode
+    workers (one ``switchyard`` may lend to decoding, ``scheduler.lending``) is a prefill
+    worker there, since none of the peers' routers lends; it hands every decode over."""
+    if worker.role == "both" and worker.fleet is not None and worker.fleet.decode:
+        return "prefill"
+    return worker.role
+
+
 def requests_in_flight(worker: WorkerState) -> int:
     """Requests a worker holds for us: prefilling (its ledger) and, on a colocated worker,
     decoding (its KV claims)."""
@@ -226,7 +235,7 @@ class DynamoKv:
                 self.prefill_blocks(best, request, view),
                 self.decode_blocks(best, request),
             )
-        if best.role != "prefill":
+        if role_of(best) != "prefill":
             self._track(best, request)
         return best
 
@@ -256,7 +265,7 @@ class DynamoKv:
         return max(0, request.prompt_tokens - view.device_blocks.get(worker.worker_id, 0) * view.block_size)
 
     def decode_blocks(self, worker: WorkerState, request: Tracked) -> int:
-        if worker.role == "prefill":
+        if role_of(worker) == "prefill":
             return 0  # the disaggregated prefill router tracks no active blocks
         active = self._active.get(worker.worker_id, {})
         return len(active) + sum(1 for key in request.spec.block_keys if key not in active)

@@ -502,3 +502,33 @@ def test_beside_decode_workers_colocated_ones_are_placed_as_prefill_workers_are(
     assert queue_weight(fleet) == 0 and spreads(fleet)
     fleet.busy = False
     assert queue_weight(fleet) == 0
+
+
+def test_beside_decode_workers_a_colocated_workers_kv_is_decode_capacity_only_where_the_core_lends() -> None:
+    # A peer never lends: counting the colocated workers' KV would admit requests against
+    # room no decode is ever sent to. ``switchyard`` with a TPOT SLO may lend any of them.
+    for lends in (False, True):
+        fleet = Fleet()
+        fleet.lends = lends
+        for worker in (both("a"), both("b"), decode("d0")):
+            fleet.add(worker)
+        assert fleet.decode_capacity == 10_000 + (20_000 if lends else 0)
+        fleet.remove("d0")  # colocated workers alone: each decodes what it prefills
+        assert fleet.decode_capacity == 20_000
+        fleet.check_invariants()
+    for policy, tpot_slo_s, lends in (
+        ("llmd", TPOT_SLO, False),
+        ("switchyard", 0.0, False),
+        ("switchyard", TPOT_SLO, True),
+    ):
+        h = Colocated(policy=policy, ttft_slo_s=2.0, tpot_slo_s=tpot_slo_s)
+        assert h.core.fleet.lends is lends, policy
+
+
+def test_a_peer_deploys_a_colocated_worker_beside_decode_workers_as_a_prefill_worker() -> None:
+    from switchyard.scheduler.peers import role_of
+
+    fleet = colocated_fleet(both("a"))
+    assert role_of(fleet.workers["a"]) == "both"  # aggregated: Dynamo tracks its active blocks
+    fleet.add(decode("d0"))
+    assert role_of(fleet.workers["a"]) == "prefill" and role_of(fleet.workers["d0"]) == "decode"
