@@ -36,7 +36,7 @@ every decode over, the decode workers' decodes are what lends one of them, and a
 goes to the decode or lent worker decoding fewest. The prefill workers' spare time is then
 what the decode side borrows when it runs slow. On tool agents, 6 + 2, the two decode
 workers were busy 98-99 % of the time at the peak while the six prefill workers were busy
-55 %: lending one there took the peak from 22.7 to 25.9 requests/s (``docs/bench-sim.md``,
+55 %: lending them took the peak from 22.72 to 26.32 requests/s (``docs/bench-sim.md``,
 "Prefill workers lent to decoding"). One is taken back only if the decodes would stay under
 ``_SLOW`` with one taker fewer (``_stays_quick``): two decode workers and one lent, quick,
 would otherwise give it back and lend it again a decode later.
