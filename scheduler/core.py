@@ -947,11 +947,21 @@ class SchedulerCore:
         decoding and the request's handoff is cheap for its answer (``Lending.keeps_local``)."""
         if not self.fleet.hands_over:
             return True
-        if worker.worker_id in self.fleet.lent or self.fleet.decode:
+        if worker.worker_id in self.fleet.lent:
+            return False
+        if self.fleet.decode:
             # Beside decode workers it prefills as a prefill worker does: a decode kept here
             # would wait through its prefill iterations (on tool agents, 6 + 2, at the best
-            # peer's peak: 480 ms a token against 26 on the decode workers).
-            return False
+            # peer's peak: 480 ms a token against 26 on the decode workers). Unless the fleet
+            # has had spare time lately and this prompt is all it has: then its decode steps
+            # at once, and a short answer is spared a handoff that would cost it its TPOT.
+            alone = worker.assigned.keys() == {tracked.spec.request_id} and not worker.held
+            return (
+                alone
+                and tracked.spec.sampling.max_tokens <= 2
+                and self._busy < _BUSY_SPARE_DECODING
+                and self._lending.keeps_idle_local(tracked.prompt_tokens, tracked.spec.sampling.max_tokens)
+            )
         return self._lending.keeps_local(tracked.prompt_tokens, tracked.spec.sampling.max_tokens)
 
     def _place_prefill(self, tracked: Tracked, placement: Placement, now: float) -> list[Action]:

@@ -532,3 +532,50 @@ def test_a_peer_deploys_a_colocated_worker_beside_decode_workers_as_a_prefill_wo
     assert role_of(fleet.workers["a"]) == "both"  # aggregated: Dynamo tracks its active blocks
     fleet.add(decode("d0"))
     assert role_of(fleet.workers["a"]) == "prefill" and role_of(fleet.workers["d0"]) == "decode"
+
+
+def test_a_short_answer_on_an_idle_colocated_worker_decodes_in_place_once_handoffs_are_measured() -> None:
+    lending = Lending(SchedulerConfig(tpot_slo_s=TPOT_SLO))
+    assert not lending.keeps_idle_local(1_000, 2)  # nothing measured: handed over
+    for size in (2_000, 20_000):
+        lending.observe_handoff(0.03 + size * 1e-6, size)  # a 30 ms report-and-step, 1 us a token
+    # Its whole handoff (32 ms at 2,000 tokens) over one token after the first: past a quarter
+    # of the SLO (12.5 ms); over four tokens, 8 ms: not.
+    assert lending.keeps_idle_local(2_000, 2) and not lending.keeps_idle_local(2_000, 5)
+    assert not lending.keeps_local(2_000, 2)  # the colocated rule counts the transfer only: 2 ms
+
+
+class TestShortAnswersBesideDecodeWorkers:
+    @staticmethod
+    def measured() -> Colocated:
+        """Two colocated workers and a decode worker, handoffs to it measured: 30 ms and 1 us
+        a prompt token, its steps 20 ms (quick: nothing is lent)."""
+        h = TestBesideDecodeWorkers.core()
+        for i, size in enumerate((2_000, 20_000)):
+            spec = make_spec(f"h{i}", prompt_len=size, max_tokens=21)
+            (prefill,) = dispatches(h.admit(spec))
+            (handoff,) = dispatches(h.event(prefill_done(spec, prefill.worker_id, prefill_s=0.1)), DecodeTask)
+            assert handoff.worker_id == "d0"
+            h.clock.advance(0.03 + size * 1e-6 + 19 * 0.02)
+            h.event(request_finished(spec, "d0", generated=21, step_s=0.02))
+        assert not h.core.fleet.lent
+        return h
+
+    def test_on_an_idle_fleet_a_one_step_answer_decodes_where_it_was_prefilled(self) -> None:
+        h = self.measured()
+        (short,) = dispatches(h.admit(make_spec("short", prompt_len=2_000, max_tokens=2)))
+        assert isinstance(short.task, LocalTask) and short.worker_id != "d0"
+        (longer,) = dispatches(h.admit(make_spec("longer", prompt_len=2_000, max_tokens=3)))
+        assert isinstance(longer.task, PrefillTask)  # a second step could wait behind a prompt placed meanwhile
+
+    def test_behind_another_prompt_or_on_a_busy_fleet_it_is_handed_over(self) -> None:
+        h = self.measured()
+        for i in range(2):  # a prompt on each colocated worker
+            (busy,) = dispatches(h.admit(make_spec(f"long{i}", prompt_len=8_000, max_tokens=40)))
+            assert isinstance(busy.task, PrefillTask)
+        (short,) = dispatches(h.admit(make_spec("short", prompt_len=500, max_tokens=2)))
+        assert isinstance(short.task, PrefillTask)
+        h = self.measured()
+        h.core._busy = 0.9  # the fleet has been busy lately
+        (short,) = dispatches(h.admit(make_spec("short", prompt_len=2_000, max_tokens=2)))
+        assert isinstance(short.task, PrefillTask)
