@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the same number of workers, each of role both (prefill and decode; as bench sim)",
     )
+    p.add_argument(
+        "--lendable",
+        action="store_true",
+        help="the prefill workers of role both, beside the decode workers (switchyard may lend them; as bench sim)",
+    )
     p.add_argument("--limit", type=int, default=400, help="the first N requests of the trace")
     p.add_argument("--time-scale", type=float, default=0.1, help="live seconds per trace second")
     p.add_argument(
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sim_run(policy: str, requests: list[TraceRequest], cost: CostModel, args, bound: float) -> dict:
-    shape = FleetShape(args.prefill, args.decode, args.colocated, args.cache_blocks)
+    shape = FleetShape(args.prefill, args.decode, args.colocated, args.cache_blocks, lendable=args.lendable)
     settings = ReplaySettings(
         policy=policy, shape=shape, cost=cost, ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s
     )
@@ -172,6 +177,8 @@ def _live_run(policy: str, requests: list[TraceRequest], scaling: Scaling, cost:
     fleet = {"prefill": args.prefill, "decode": args.decode}
     if args.colocated:  # the same workers, each of role both
         fleet = {"prefill": 0, "decode": 0, "colocated": args.prefill + args.decode}
+    elif args.lendable:  # the prefill workers of role both
+        fleet = {"prefill": 0, "decode": args.decode, "colocated": args.prefill}
     with ExitStack() as stack:
         server = stack.enter_context(procs.nats_server())
         live = bench_stack.start(

@@ -40,8 +40,12 @@ def test_scaled_prompts_share_exactly_the_trace_prefixes() -> None:
 
 @pytest.mark.parametrize(
     ("fleet", "policies"),
-    [((), ["least_tokens", "switchyard"]), (("--colocated",), ["switchyard"])],
-    ids=["disaggregated", "colocated"],
+    [
+        ((), ["least_tokens", "switchyard"]),
+        (("--colocated",), ["switchyard"]),
+        (("--lendable",), ["llmd", "switchyard"]),
+    ],
+    ids=["disaggregated", "colocated", "lendable"],
 )
 def test_bench_live_replays_through_the_stack_and_its_simulation(tmp_path, fleet, policies) -> None:
     trace = tmp_path / "tiny.jsonl"
