@@ -943,8 +943,11 @@ class SchedulerCore:
         return actions
 
     def _decodes_in_place(self, tracked: Tracked, worker: WorkerState) -> bool:
-        """Whether a colocated worker decodes what it prefills: unless some are lent to
-        decoding and the request's handoff is cheap for its answer (``Lending.keeps_local``)."""
+        """Whether a colocated worker decodes what it prefills: always while it hands nothing
+        over (none lent, no decode workers); never on a lent one; beside decode workers only a
+        one-step answer that is all its worker has, on a fleet with spare time, whose handoff
+        would cost its TPOT (``Lending.keeps_idle_local``); else unless the request's handoff
+        is cheap for its answer (``Lending.keeps_local``)."""
         if not self.fleet.hands_over:
             return True
         if worker.worker_id in self.fleet.lent:
