@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import openai
+import pytest
 
 from switchyard import procs
 from switchyard.scheduler.config import SchedulerConfig
@@ -137,18 +138,22 @@ def _colocated_process(nats_url: str, worker_id: str) -> subprocess.Popen:
     return procs.spawn(procs.service_command("worker", *flags), env=procs.child_env())
 
 
-def test_a_colocated_worker_killed_while_the_fleet_hands_off_loses_no_stream(nats) -> None:
+@pytest.mark.parametrize("decode_workers", [0, 1], ids=["colocated", "beside-a-decode-worker"])
+def test_a_colocated_worker_killed_while_the_fleet_hands_off_loses_no_stream(nats, decode_workers: int) -> None:
     """A colocated worker SIGKILLed while it holds requests, on a fleet that lends workers to
-    decoding and hands prompts over: what it held (prefills, handoffs on their way to it or
+    decoding and hands prompts over (alone, or beside a decode worker: then it prefills as a
+    prefill worker does until lent): what it held (prefills, handoffs on their way to it or
     from it, decodes) continues on the other workers, and every client gets the text an
     undisturbed run gives."""
     sched = SchedulerConfig(worker_expiry_s=0.5, ttft_slo_s=5.0, tpot_slo_s=0.01)
     with running_stack(nats.url, prefill=0, decode=0, scheduler=sched) as stack:
         for _ in range(2):
             stack.add_worker(worker_config(nats.url, "both", SLOW_DECODE))
+        for _ in range(decode_workers):
+            stack.add_worker(worker_config(nats.url, "decode", SLOW_DECODE))
         child = _colocated_process(nats.url, "both-victim")
         try:
-            assert stack.wait_healthy(3, 3, timeout_s=20)["colocated_workers"] == 3
+            assert stack.wait_healthy(3, 3 + decode_workers, timeout_s=20)["colocated_workers"] == 3
             client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
             core = stack.scheduler.core
 
