@@ -184,7 +184,7 @@ def settings_of(args: argparse.Namespace, policy: str, time_scale: float) -> Rep
         args.prefill_token_budget,
         host_cache_blocks=args.host_cache_blocks,
         disk_cache_blocks=args.disk_cache_blocks,
-        lendable=getattr(args, "lendable", False),
+        lendable=args.lendable,
     )
     return ReplaySettings(
         policy=policy,
