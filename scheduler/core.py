@@ -355,8 +355,13 @@ class SchedulerCore:
             actions += self._remove_worker(worker_id, now)
         return actions + self._drain(now)
 
-    def tick(self, now: float) -> list[Action]:
+    def tick(self, now: float, unheard_s: float = 0.0) -> list[Action]:
+        """The timer. ``unheard_s``: time just past in which this scheduler read nothing (its
+        event loop stalled); what workers said then still waits in its inbox, so it is no
+        worker's silence (``Fleet.excuse``) and none expires for it."""
         actions: list[Action] = []
+        if unheard_s > 0:
+            self.fleet.excuse(unheard_s, now)
         for worker in self.fleet.expired(now, self.config.worker_expiry_s):
             actions += self._remove_worker(worker.worker_id, now)
         self.sessions.expire(now)

@@ -7,7 +7,9 @@ that fed it: a dispatch is published straight away (it is on the token's path), 
 a reply subject on the scheduler's own ack inbox. Acks, refusals and NATS's
 no-responders status come back there; a dispatch unanswered for ``dispatch_timeout_s``
 times out on the ticker. Every failure goes back into the core, which decides what to
-retry.
+retry. A tick that comes late (the loop stalled: a long pause of the process) counts the
+stall as no worker's silence and no ack's wait (``_unheard``): what arrived meanwhile is
+still unread, and taking it for silence would remove every worker at once.
 
 KV events (``KV_EVENTS``) feed the core's prefix index. A snapshot the core asks for
 (a worker joined, or its events had a gap) is a request/reply that can take up to
@@ -32,6 +34,7 @@ again, and one that lost it to another replica raises ``LeaseLostError`` out of
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -92,6 +95,7 @@ _NO_RESPONDERS = "503"
 # Snapshots waiting for a fetcher. The core asks at most one per worker at a time, so
 # this bounds the fleet the scheduler can resync at once, not the work it can do.
 _SNAPSHOT_QUEUE = 4096
+_STALL_LOGGED_S = 0.5  # a stall of the loop this long is worth a warning
 # Runs this scheduler knows a worker holds (it dispatched them there, or adopted them from
 # that worker's answer), by request id, the latest last: an audit cancels a stray run only
 # if it is one of these (``Audit.strays``). A worker, which may not publish cancels, cannot
@@ -410,14 +414,32 @@ class SchedulerService:
         return snapshot
 
     async def _tick(self) -> None:
+        last = self._clock()
         while True:
             await anyio.sleep(self.config.tick_s)
             now = self._clock()
+            unheard, last = self._unheard(now - last), now
             for token in [t for t, p in self._pending.items() if p.deadline <= now]:
                 await self._dispatch_failed(self._pending.pop(token), "timeout")
-            await self._act(self.core.tick(now))
+            await self._act(self.core.tick(now, unheard))
             await self._audit_step(now)
             self._forget_finished_traces()
+
+    def _unheard(self, since_tick_s: float) -> float:
+        """How long this loop read nothing before a tick that came ``since_tick_s`` after the
+        last one (0 unless over two ticks late). A stall (a long pause of the process, a task
+        that held the loop) leaves the workers' heartbeats and acks of its time unread in the
+        inbox: the tick after it must not take that for silence, expire every worker and fail
+        their streams, nor time out the dispatches it has not read the acks of."""
+        late = since_tick_s - self.config.tick_s
+        if late <= self.config.tick_s:
+            return 0.0
+        self._pending = {t: dataclasses.replace(p, deadline=p.deadline + late) for t, p in self._pending.items()}
+        if late >= _STALL_LOGGED_S:
+            log.warning(
+                "the scheduler's loop stalled %.1f s: worker silence and ack waits over it are not counted", late
+            )
+        return late
 
     async def _serve_pings(self, sub: Subscription) -> None:
         """Another region's ingress measures its round trip to this region (an empty reply)."""

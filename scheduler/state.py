@@ -793,6 +793,12 @@ class Fleet:
         self._index_slots()
         return self._rank
 
+    def excuse(self, unheard_s: float, now: float) -> None:
+        """Count none of the last ``unheard_s`` as any worker's silence: each was last seen
+        that much later, never later than ``now``."""
+        for worker in self.workers.values():
+            worker.touch(min(now, worker.last_seen + unheard_s))
+
     def expired(self, now: float, expiry_s: float) -> list[WorkerState]:
         """Workers last seen more than ``expiry_s`` ago, in the order they joined."""
         late = np.flatnonzero(now - self.last_seen > expiry_s)

@@ -1,6 +1,7 @@
 """``switchyard up`` under bus faults, through the real HTTP API: a client-supplied session
-header of any length takes nothing down, and a killed nats-server is restarted on its port
-with its JetStream store, the services reconnecting to it without a restart of their own."""
+header of any length takes nothing down, a killed nats-server is restarted on its port
+with its JetStream store, the services reconnecting to it without a restart of their own,
+and a scheduler process paused past the workers' expiry takes none of them for dead."""
 
 from __future__ import annotations
 
@@ -142,11 +143,20 @@ def _stream(port: int, index: int, started: threading.Barrier | None) -> tuple[s
         return "".join(parts), str(exc), time.monotonic() - begun
 
 
-def test_streams_cut_by_a_nats_restart_continue_where_they_were(up: Up):
+@pytest.fixture(scope="module")
+def reference(up: Up) -> list[str]:
+    """Each stream's text on the undisturbed stack (greedy: the same on every run)."""
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        runs = [pool.submit(_stream, up.port, i, None) for i in range(STREAMS)]
+        texts = [run.result(timeout=60) for run in runs]
+    assert all(error is None for _, error, _ in texts), texts
+    return [text for text, _, _ in texts]
+
+
+def test_streams_cut_by_a_nats_restart_continue_where_they_were(up: Up, reference: list[str]):
     """Tokens in flight when nats-server dies are lost (core NATS delivers at most once):
     each stream notices the stall once the bus is back and continues after the tokens it
     has, instead of waiting out the 60 s idle timeout."""
-    reference = [_stream(up.port, i, None)[0] for i in range(STREAMS)]
     started = threading.Barrier(STREAMS + 1)
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
         runs = [pool.submit(_stream, up.port, i, started) for i in range(STREAMS)]
@@ -157,6 +167,29 @@ def test_streams_cut_by_a_nats_restart_continue_where_they_were(up: Up):
         assert error is None, f"{error} after {seconds:.1f} s"
         assert text == expected
         assert seconds < 30  # continued, not timed out
+
+
+def test_a_stalled_scheduler_removes_no_worker_and_cuts_no_stream(up: Up, reference: list[str]):
+    """The scheduler process paused (SIGSTOP) for longer than a worker's expiry while
+    streams run, then resumed: the heartbeats of that time are still unread in its inbox, so
+    it removes no worker. Every stream completes with its undisturbed text, the scheduler
+    says it stalled, and it serves on."""
+    scheduler = up.child("switchyard scheduler")
+    started = threading.Barrier(STREAMS + 1)
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        runs = [pool.submit(_stream, up.port, i, started) for i in range(STREAMS)]
+        started.wait(30)
+        before = len(up.log.read_text())  # the module's earlier tests log into the same file
+        scheduler.suspend()
+        time.sleep(2.5)  # the workers' expiry is 2 s
+        scheduler.resume()
+        results = [run.result(timeout=60) for run in runs]
+    for (text, error, seconds), expected in zip(results, reference, strict=True):
+        assert error is None, f"{error} after {seconds:.1f} s"
+        assert text == expected
+    log = up.log.read_text()[before:]
+    assert "loop stalled" in log and "worker_lost" not in log and "worker lost" not in log, log[-3000:]
+    assert up.complete() == 3 and up.child("switchyard scheduler").pid == scheduler.pid
 
 
 def _bound_worker(url: str, admin: Credentials, tenant: str, session: str) -> str:

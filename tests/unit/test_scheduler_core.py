@@ -418,6 +418,36 @@ def test_silent_prefill_worker_is_removed_and_its_requests_run_elsewhere() -> No
     assert dispatched(h.admit(again(r))) == [("r", "p2")]
 
 
+def test_a_stall_of_the_scheduler_itself_is_no_workers_silence() -> None:
+    """A tick after the scheduler read nothing for 1.6 s (its loop stalled; what the workers
+    said meanwhile is still in its inbox) expires no worker and fails no stream. The stall is
+    credited, never past now: a worker still silent an expiry after it is removed."""
+    h = Harness(worker_expiry_s=1.0)
+    cluster(h, {"p1": 10_000}, {"d1": 10_000})
+    spec = make_spec("r", ingress_id="ing-A")
+    h.admit(spec)
+    h.event(prefill_done(spec, "p1"))
+    assert h.phase("r") == "decode"
+    h.clock.advance(1.7)
+    actions = h.core.tick(h.clock.now, unheard_s=1.6)
+    assert actions == [] and set(h.core.workers) == {"p1", "d1"} and h.phase("r") == "decode"
+    h.report("p1", "prefill", 10_000)  # the inbox is read: p1 spoke during the stall, d1 did not
+    assert h.tick(advance=0.8) == [] and "d1" in h.core.workers  # 0.9 s since the stall ended
+    h.report("p1", "prefill", 10_000)
+    assert lost(h.tick(advance=0.2)) == [("r", "worker_lost")]
+    assert set(h.core.workers) == {"p1"}
+
+
+def test_without_the_credit_the_same_silence_removes_every_worker() -> None:
+    """The same 1.7 s with nothing heard, as a plain tick: every worker is gone, its stream failed."""
+    h = Harness(worker_expiry_s=1.0)
+    cluster(h, {"p1": 10_000}, {"d1": 10_000})
+    spec = make_spec("r", ingress_id="ing-A")
+    h.admit(spec)
+    h.event(prefill_done(spec, "p1"))
+    assert lost(h.tick(advance=1.7)) == [("r", "worker_lost")] and h.core.workers == {}
+
+
 def test_silent_decode_worker_fails_its_streams_with_worker_lost() -> None:
     h = Harness(worker_expiry_s=2.0)
     cluster(h, {"p1": 10_000}, {"d1": 10_000, "d2": 10_000})
