@@ -608,7 +608,7 @@ static PyObject *quickest(const double *load, const double *rate, const double *
 }
 
 /* choose_prefill(load, rate, budget, kv, kv_cap, holding, colocated, rank, slots, rows, blocks,
- *                device, prompt, block_size, fetch_credit, decode_tokens, check_kv, limit,
+ *                device, prompt, block_size, fetch_credit, decode_tokens, check_kv, limit, limit2,
  *                queue_weight, kv_tie, placed, room_edge, factor, prefill_scale, both_scale,
  *                filled, by_filled)
  *   -> (slot, need) of the best worker, ties to the one filled longest ago (``by_filled``),
@@ -627,17 +627,19 @@ static PyObject *quickest(const double *load, const double *rate, const double *
  * TTFT is within it, the least work among those (on a colocated worker its queue counts
  * ``queue_weight`` times), then a colocated worker whose decodes have room for the prompt
  * (``room_edge - placed``: ``WorkerState.room_tokens``) before one whose decodes have not,
- * then (``kv_tie``) the least KV a colocated worker decodes, then the quickest; else the
- * quickest (of those, the ones that compute least). */
+ * then (``kv_tie``) the least KV a colocated worker decodes, then the quickest; where none
+ * is within ``limit``, the same among those within ``limit2`` (``policies.safe_limits``:
+ * infinite for a request alone in the queue; else ``limit``); else the quickest (of those,
+ * the ones that compute least). */
 static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *o_load, *o_rate, *o_budget, *o_kv, *o_kvcap, *o_holding, *o_coloc, *o_rank, *o_slots, *o_rows,
         *o_blocks, *o_device, *o_placed, *o_edge, *o_factor, *o_filled;
     long long prompt, block_size, decode_tokens;
-    double fetch_credit, limit, queue_weight, prefill_scale, both_scale;
+    double fetch_credit, limit, limit2, queue_weight, prefill_scale, both_scale;
     int check_kv, kv_tie, by_filled;
-    if (parse_args(args, nargs, "choose_prefill", "OOOOOOOOOOOOLLdLpddpOOOddOp", &o_load, &o_rate, &o_budget, &o_kv,
+    if (parse_args(args, nargs, "choose_prefill", "OOOOOOOOOOOOLLdLpdddpOOOddOp", &o_load, &o_rate, &o_budget, &o_kv,
                    &o_kvcap, &o_holding, &o_coloc, &o_rank, &o_slots, &o_rows, &o_blocks, &o_device, &prompt,
-                   &block_size, &fetch_credit, &decode_tokens, &check_kv, &limit, &queue_weight, &kv_tie, &o_placed,
+                   &block_size, &fetch_credit, &decode_tokens, &check_kv, &limit, &limit2, &queue_weight, &kv_tie, &o_placed,
                    &o_edge, &o_factor, &prefill_scale, &both_scale, &o_filled, &by_filled) < 0)
         return NULL;
     Buffers b = {.n = 0};
@@ -668,87 +670,92 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
                           both_scale, filled, by_filled, fit);
         goto done;
     }
-    int any_safe = 0;
-    double best_work = INFINITY, best_tie = INFINITY, best_pred = INFINITY, best_unc = INFINITY;
-    int best_crowds = 1;
-    int64_t best = -1;
-    Py_ssize_t m = 0, best_at = -1;
-    int64_t last_nb = -1, last_nd = -1; /* no worker's: the first computes its own */
-    double uncached = 0.0, need = 1.0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t s = slots[i];
-        if (s < 0 || s >= nfleet) {
-            PyErr_SetString(PyExc_IndexError, "a slot past the fleet");
-            goto done;
-        }
-        int64_t r = rows[s];
-        int64_t nb = (r >= 0 && r < nblocks) ? blocks[r] : 0, nd = (r >= 0 && r < nblocks) ? device[r] : 0;
-        if (nb != last_nb || nd != last_nd) { /* a worker's (blocks, device) is mostly its neighbour's */
-            last_nb = nb;
-            last_nd = nd;
-            if (nb > 0) { /* _uncached */
-                int64_t fetchable = (nb - nd) * block_size;
-                double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
-                uncached = computed > 0.0 ? computed : 0.0;
+    for (int pass = 0;; pass++) { /* ``limit``, then (none within it) ``limit2`` */
+        const double lim = pass ? limit2 : limit;
+        int any_safe = 0;
+        double best_work = INFINITY, best_tie = INFINITY, best_pred = INFINITY, best_unc = INFINITY;
+        int best_crowds = 1;
+        int64_t best = -1;
+        Py_ssize_t m = 0, best_at = -1;
+        int64_t last_nb = -1, last_nd = -1; /* no worker's: the first computes its own */
+        double uncached = 0.0, need = 1.0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t s = slots[i];
+            if (s < 0 || s >= nfleet) {
+                PyErr_SetString(PyExc_IndexError, "a slot past the fleet");
+                goto done;
+            }
+            int64_t r = rows[s];
+            int64_t nb = (r >= 0 && r < nblocks) ? blocks[r] : 0, nd = (r >= 0 && r < nblocks) ? device[r] : 0;
+            if (nb != last_nb || nd != last_nd) { /* a worker's (blocks, device) is mostly its neighbour's */
+                last_nb = nb;
+                last_nd = nd;
+                if (nb > 0) { /* _uncached */
+                    int64_t fetchable = (nb - nd) * block_size;
+                    double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
+                    uncached = computed > 0.0 ? computed : 0.0;
+                } else {
+                    uncached = (double)prompt;
+                }
+                need = ceil(uncached); /* _fitting */
+                if (!(need >= 1.0)) need = 1.0;
+            }
+            if (!(load[s] == 0.0 || load[s] + need <= budget[s])) continue;
+            if (check_kv && coloc[s] != 0.0 && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s])) continue;
+            double scale = coloc[s] != 0.0 ? both_scale : prefill_scale; /* NaN: ``rate`` holds it */
+            double pred = (load[s] + uncached) / (scale == scale ? factor[s] * scale : rate[s]); /* choose_slots */
+            double work = uncached, tie = 0.0;
+            int crowds = 0;
+            int safe = slo && pred <= lim;
+            Fit f = {.slot = s, .pred = pred, .uncached = uncached, .need = need, .work = INFINITY};
+            if (safe) {
+                /* the KV a colocated worker decodes is not work; with ``kv_tie`` it breaks ties */
+                if (coloc[s] == 0.0) {
+                    work = uncached;
+                } else {
+                    work = uncached + queue_weight * load[s];
+                    if (kv_tie) tie = kv[s];
+                }
+                crowds = coloc[s] != 0.0 && uncached > edge[s] - placed[s];
+                f.work = work, f.tie = tie, f.crowds = crowds;
+                int same_work = work == best_work, same_crowds = same_work && crowds == best_crowds;
+                if (!any_safe || work < best_work || (same_work && crowds < best_crowds) ||
+                    (same_crowds && (tie < best_tie || (tie == best_tie && pred < best_pred)))) {
+                    any_safe = 1;
+                    best_work = work;
+                    best_crowds = crowds;
+                    best_tie = tie;
+                    best_pred = pred;
+                } else if (!(same_crowds && tie == best_tie && pred == best_pred && rank[s] < rank[best])) {
+                    if (same_crowds && tie == best_tie && pred == best_pred) fit[m++] = f; /* tied, a higher id */
+                    continue; /* worse, or tied with a lower id */
+                }
             } else {
-                uncached = (double)prompt;
+                if (any_safe) continue; /* a worker that is not safe ties no safe one (work infinite) */
+                if (pred <= best_pred || best < 0) fit[m++] = f; /* a slower one cannot tie the quickest */
+                if (pred < best_pred || best < 0) {
+                    best_pred = pred;
+                    best_unc = uncached;
+                    best = s;
+                } else if (pred == best_pred && uncached < best_unc) {
+                    best_unc = uncached;
+                }
+                continue;
             }
-            need = ceil(uncached); /* _fitting */
-            if (!(need >= 1.0)) need = 1.0;
+            best = s;
+            best_at = m;
+            fit[m++] = f;
         }
-        if (!(load[s] == 0.0 || load[s] + need <= budget[s])) continue;
-        if (check_kv && coloc[s] != 0.0 && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s])) continue;
-        double scale = coloc[s] != 0.0 ? both_scale : prefill_scale; /* NaN: ``rate`` holds it */
-        double pred = (load[s] + uncached) / (scale == scale ? factor[s] * scale : rate[s]); /* choose_slots */
-        double work = uncached, tie = 0.0;
-        int crowds = 0;
-        int safe = slo && pred <= limit;
-        Fit f = {.slot = s, .pred = pred, .uncached = uncached, .need = need, .work = INFINITY};
-        if (safe) {
-            /* the KV a colocated worker decodes is not work; with ``kv_tie`` it breaks ties */
-            if (coloc[s] == 0.0) {
-                work = uncached;
-            } else {
-                work = uncached + queue_weight * load[s];
-                if (kv_tie) tie = kv[s];
-            }
-            crowds = coloc[s] != 0.0 && uncached > edge[s] - placed[s];
-            f.work = work, f.tie = tie, f.crowds = crowds;
-            int same_work = work == best_work, same_crowds = same_work && crowds == best_crowds;
-            if (!any_safe || work < best_work || (same_work && crowds < best_crowds) ||
-                (same_crowds && (tie < best_tie || (tie == best_tie && pred < best_pred)))) {
-                any_safe = 1;
-                best_work = work;
-                best_crowds = crowds;
-                best_tie = tie;
-                best_pred = pred;
-            } else if (!(same_crowds && tie == best_tie && pred == best_pred && rank[s] < rank[best])) {
-                if (same_crowds && tie == best_tie && pred == best_pred) fit[m++] = f; /* tied, a higher id */
-                continue; /* worse, or tied with a lower id */
-            }
+        if (!any_safe && best >= 0 && pass == 0 && limit2 > limit) continue; /* none within ``limit`` */
+        if (best < 0) {
+            result = Py_NewRef(Py_None);
         } else {
-            if (any_safe) continue; /* a worker that is not safe ties no safe one (work infinite) */
-            if (pred <= best_pred || best < 0) fit[m++] = f; /* a slower one cannot tie the quickest */
-            if (pred < best_pred || best < 0) {
-                best_pred = pred;
-                best_unc = uncached;
-                best = s;
-            } else if (pred == best_pred && uncached < best_unc) {
-                best_unc = uncached;
-            }
-            continue;
+            /* spread_slots: the safe workers of the best's work, or the quickest's uncached tokens */
+            const Fit *chosen = any_safe ? spread(fit, m, &fit[best_at], 0.0, best_pred, by_filled, filled, rank)
+                                         : spread(fit, m, NULL, best_unc, best_pred, by_filled, filled, rank);
+            result = Py_BuildValue("Ld", (long long)chosen->slot, chosen->need);
         }
-        best = s;
-        best_at = m;
-        fit[m++] = f;
-    }
-    if (best < 0) {
-        result = Py_NewRef(Py_None);
-    } else {
-        /* spread_slots: the safe workers of the best's work, or the quickest's uncached tokens */
-        const Fit *chosen = any_safe ? spread(fit, m, &fit[best_at], 0.0, best_pred, by_filled, filled, rank)
-                                     : spread(fit, m, NULL, best_unc, best_pred, by_filled, filled, rank);
-        result = Py_BuildValue("Ld", (long long)chosen->slot, chosen->need);
+        break;
     }
 done:
     release(&b);

@@ -74,6 +74,7 @@ def choose_prefill(
     decode_tokens: int,
     check_kv: bool,
     limit: float,
+    limit2: float,
     queue_weight: float,
     kv_tie: bool,
     placed: Buffer,

@@ -77,12 +77,15 @@ class Placer:
         workers: Iterable[WorkerState] | Fleet,
         bound_worker: str | None,
         ttft_budget_s: float = math.inf,
+        alone: bool = False,
     ) -> Placement | None:
+        """Where the request prefills (``alone``: no other request waits for a worker;
+        ``PlacementView.alone``), or None if no worker takes it now."""
         if self._by_slot and isinstance(workers, Fleet):
-            return self._prefill_by_slot(request, workers, bound_worker, ttft_budget_s)
+            return self._prefill_by_slot(request, workers, bound_worker, ttft_budget_s, alone)
         workers = list(workers)
         blocks, device = self.index.match_counts(request.spec.block_keys)
-        view = self._view(request, blocks, device, ttft_budget_s)
+        view = self._view(request, blocks, device, ttft_budget_s, alone)
         local = self._local(request, workers, view)
         if local is not None:
             return local
@@ -91,7 +94,7 @@ class Placer:
         return self._commit(request, chosen, capable, bound_worker, view)
 
     def _prefill_by_slot(
-        self, request: Tracked, fleet: Fleet, bound_worker: str | None, ttft_budget_s: float
+        self, request: Tracked, fleet: Fleet, bound_worker: str | None, ttft_budget_s: float, alone: bool
     ) -> Placement | None:
         """``prefill`` with the index's answer as arrays by slot: the same view (its maps
         read those arrays), and without a session binding the policy scores the fleet's
@@ -103,10 +106,11 @@ class Placer:
             # The policy's whole choice in one loop in C (``_native.c``): the same as below.
             rows = self._slots.rows(fleet)
             best = native(
-                request, fleet, fleet.slots("prefill"), rows, blocks, device, self.config.fetch_credit, ttft_budget_s
-            )
+                request, fleet, fleet.slots("prefill"), rows, blocks, device, self.config.fetch_credit, ttft_budget_s,
+                alone,
+            )  # fmt: skip
             return None if best is None else Placement(best[0], "prefill", best[1])
-        view = self._view(request, _BySlot(blocks, slot_of), _BySlot(device, slot_of), ttft_budget_s)
+        view = self._view(request, _BySlot(blocks, slot_of), _BySlot(device, slot_of), ttft_budget_s, alone)
         if self.config.local_prefill_max_tokens > 0:
             local = self._local(request, list(fleet), view)
             if local is not None:
@@ -174,7 +178,12 @@ class Placer:
         return Placement(chosen, "prefill", view.need(chosen))
 
     def _view(
-        self, request: Tracked, blocks: Mapping[str, int], device: Mapping[str, int], ttft_budget_s: float
+        self,
+        request: Tracked,
+        blocks: Mapping[str, int],
+        device: Mapping[str, int],
+        ttft_budget_s: float,
+        alone: bool = False,
     ) -> PlacementView:
         return PlacementView(
             blocks=blocks,
@@ -184,6 +193,7 @@ class Placer:
             fetch_credit=self.config.fetch_credit,
             prompt_tokens=request.prompt_tokens,
             ttft_budget_s=ttft_budget_s,
+            alone=alone,
         )
 
     def _quick(

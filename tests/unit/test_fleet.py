@@ -3,6 +3,7 @@ per-worker Python they replace (``Fleet``, ``Placer`` given a ``Fleet``)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -247,6 +248,7 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(
                 blocks[tier] = rng.choice(prefixes)[: rng.randrange(1, 9)]
         index.load_snapshot(KvSnapshot(worker_id=wid, seq=0, blocks=blocks))
     index.load_snapshot(KvSnapshot(worker_id="not-in-fleet", seq=0, blocks={"device": prefixes[0]}))
+    alone_differs = 0  # switchyard's choices that being alone in the queue changed
     for name in ("switchyard", "dynamo_kv", "least_tokens", "round_robin"):
         config = SchedulerConfig(policy=name, fetch_credit=rng.choice([0.0, 0.8]))
         fast, slow = Placer(config, index), Placer(config, index)
@@ -272,19 +274,26 @@ def test_placement_from_the_arrays_is_the_placement_from_the_workers(
             keys = [*rng.choice(prefixes)[: rng.randrange(0, 9)], rng.randrange(1 << 63)]
             spec = msgspec.structs.replace(make_spec(f"r{i}", prompt_len=len(keys) * BLOCK_SIZE - 3), block_keys=keys)
             request = Tracked(spec=spec, enqueued_at=0.0, order=i)
-            for budget in (math.inf, 0.5, 0.1, 0.001):  # with an SLO: all, some or none safe
-                by_slot = fast.prefill(request, fleet, None, budget)
-                by_worker = slow.prefill(request, list(fleet), None, budget)
+            # With an SLO: all, some or none safe; late (-inf); alone in the queue or not.
+            chosen: dict[tuple[float, bool], str | None] = {}
+            for budget, alone in itertools.product((math.inf, 0.5, 0.1, 0.001, -math.inf), (False, True)):
+                by_slot = fast.prefill(request, fleet, None, budget, alone)
+                chosen[budget, alone] = by_slot and by_slot.worker.worker_id
+                by_worker = slow.prefill(request, list(fleet), None, budget, alone)
                 assert (by_slot is None) == (by_worker is None), (name, i)
                 if by_slot is not None and by_worker is not None:
                     assert (by_slot.worker.worker_id, by_slot.kind, by_slot.tokens) == (
                         by_worker.worker.worker_id,
                         by_worker.kind,
                         by_worker.tokens,
-                    ), (name, i, budget)
+                    ), (name, i, budget, alone)
+            if name == "switchyard":
+                alone_differs += any(chosen[b, False] != chosen[b, True] for b in (0.5, 0.1, 0.001))
+                assert all(chosen[b, False] == chosen[b, True] for b in (math.inf, -math.inf)), (i, chosen)
             decoded = fast.decode(request, fleet)
             expected = slow.decode(request, list(fleet))
             assert (decoded and decoded.worker_id) == (expected and expected.worker_id), (name, i)
+    assert alone_differs > 0  # the second limit was taken, and compared
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -156,7 +156,7 @@ def test_bad_buffers_are_errors_not_crashes() -> None:
         native.choose_decode(*fleet[:3], np.zeros(2, dtype=np.int64), np.array([0], dtype=np.intp), 10, None, 1.0)
     with pytest.raises(IndexError, match="past the fleet"):
         native.choose_decode(*fleet[:3], np.zeros(3, dtype=np.int64), np.array([3], dtype=np.intp), 10, None, 1.0)
-    scalars = (10, 16, 0.0, 10, False, 1.0, 4.0, True)  # prompt .. kv_tie
+    scalars = (10, 16, 0.0, 10, False, 1.0, 1.0, 4.0, True)  # prompt .. kv_tie
     with pytest.raises(IndexError, match="past the fleet"):
         native.choose_prefill(
             *fleet, np.zeros(3, dtype=np.int64), np.array([7], dtype=np.intp), np.zeros(3, dtype=np.intp),

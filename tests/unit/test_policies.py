@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Literal
 
@@ -105,6 +106,22 @@ def test_switchyard_weighs_cache_queue_and_rate() -> None:
     # a fast worker beats an equally idle slow one.
     ws = [worker("slow", rate=2_000.0), worker("fast", rate=20_000.0)]
     assert Switchyard().choose(t, ws, view()).worker_id == "fast"
+
+
+def test_switchyard_alone_in_the_queue_computes_least_where_no_worker_is_safe() -> None:
+    """No worker within half the time left before the SLO: with others waiting, the quickest;
+    alone in the queue, the one that computes least (nobody waits behind what it takes). A
+    safe worker still comes first, and a late request goes to the quickest either way."""
+    t = tracked(prompt_len=1600)
+    # warm: its cache holds the prompt, (8000 + 0)/10k = 0.8 s; cold: idle, 1600/10k = 0.16 s.
+    ws = [worker("warm", load=8000, requests=2), worker("cold")]
+    unsafe = replace(view({"warm": (100, 100)}), ttft_budget_s=0.3)  # half of it: 0.15 s
+    assert Switchyard().choose(t, ws, unsafe).worker_id == "cold"
+    assert Switchyard().choose(t, ws, replace(unsafe, alone=True)).worker_id == "warm"
+    late = replace(unsafe, ttft_budget_s=-math.inf, alone=True)
+    assert Switchyard().choose(t, ws, late).worker_id == "cold"
+    cold_safe = replace(unsafe, ttft_budget_s=0.4, alone=True)  # 0.16 s is within 0.2 s
+    assert Switchyard().choose(t, ws, cold_safe).worker_id == "cold"
 
 
 def test_switchyard_cost_is_the_predicted_wait() -> None:
