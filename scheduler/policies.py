@@ -192,7 +192,7 @@ class LeastTokens:
 def safe_limits(ttft_budget_s: float, alone: bool) -> tuple[float, float]:
     """``switchyard``'s predicted TTFT within which a worker counts as safe, the second
     where none is within the first: half the time left before the SLO; for a request
-    ``alone`` (the core: alone in the queue, on a fleet with decode workers), then any.
+    ``alone`` (the core: alone in the queue, on a busy fleet with decode workers), then any.
     Nobody waits behind it, so a worker that computes less costs no other request its SLO;
     if it is too slow for this one's, the core's SLO check sends it the late way
     (``SchedulerCore._misses_slo``). With others waiting, the quickest: they wait behind

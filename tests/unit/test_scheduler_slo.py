@@ -98,6 +98,27 @@ def test_a_late_request_whose_prefix_a_busy_worker_holds_runs_there_not_on_the_i
     assert h.core.requests["new"].late
 
 
+@pytest.mark.parametrize("busy", [True, False], ids=["busy", "spare"])
+def test_alone_on_a_busy_fleet_a_request_no_worker_serves_within_half_its_budget_goes_where_it_computes_least(
+    busy: bool,
+) -> None:
+    """p0 holds 10,000 tokens of the question's 11,000 and has 12,000 queued: (12,000 +
+    1,000) / 8,000 = 1.625 s; p1 computes it all: 1.375 s. Neither is within half the 2 s
+    SLO, both within it. Alone in the queue on a fleet that has been busy lately, it goes
+    to p0 (1,000 tokens computed, not 11,000); with spare time, to the quickest, p1."""
+    from switchyard.schemas import KvSnapshot
+
+    h = fleet(workers=2, worker_expiry_s=100.0)
+    doc = make_spec("doc", prompt_len=10_000)
+    h.core.index.load_snapshot(KvSnapshot(worker_id="p0", seq=0, blocks={"device": doc.block_keys}))
+    h.core.index.load_snapshot(KvSnapshot(worker_id="p1", seq=0, blocks={}))
+    assert placed(h.admit(make_spec("a", prompt_len=12_000))) == {"a": "p0"}  # both idle: the lower id
+    question = make_spec("q", prompt=doc.prompt_tokens + make_spec("x", prompt_len=1_000).prompt_tokens)
+    h.core.fleet.busy = busy  # (the core sets it from its ticks: the share of time the fleet was busy)
+    assert placed(h.admit(question)) == {"q": "p0" if busy else "p1"}
+    assert not h.core.requests["q"].late
+
+
 def test_a_late_request_does_not_wait_where_its_prefix_is_past_the_time_it_would_be_shed() -> None:
     h, question = _document_on_p0(40_000)  # 5 s of work on p0
     # On p0 its first token would come after 5.1 s, past the 4 s (2 SLOs) at which it would
