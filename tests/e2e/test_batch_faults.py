@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from switchyard import procs
-from tests.e2e.test_up import _start_up, _wait_ready_line
+from tests.e2e.test_up import READY_S, _start_up, _wait_ready_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 LINES = 240
@@ -53,7 +53,7 @@ def test_every_line_ends_exactly_once_through_kills_of_every_part():
     port = procs.free_port()
     proc = _start_up(port, *FLEET, *COSTS)
     try:
-        _wait_ready_line(proc, 90)
+        _wait_ready_line(proc, READY_S)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=3, timeout=30)
         system = "You are the yard master of a busy freight terminal. " * 20  # a shared prefix
         lines = []

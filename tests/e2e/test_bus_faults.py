@@ -23,6 +23,7 @@ import pytest
 from switchyard import procs
 from switchyard.observability.bus import Credentials
 from switchyard.scheduler.session_store import BUCKET, session_key
+from tests.e2e.test_up import READY_S
 from tests.support.up_nats import admin_credentials
 
 SESSION = "x-session-affinity"
@@ -64,13 +65,15 @@ def up(tmp_path_factory) -> Iterator[Up]:
         "0.2",
         "--sim-decode-step-base-s",
         "0.01",  # streams of 300 tokens last 3 s: long enough to be cut
+        "--ready-timeout-s",
+        str(READY_S),
     )
     with log.open("w") as out:
         process = psutil.Popen(command, env=procs.child_env(), stdout=out, stderr=out, start_new_session=True)
     stack = Up(port, process, log)
     try:
         # Ready when up says so: until then it treats a dead child as a failed start, not a crash.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + READY_S
         while not (_healthy(port) and READY in log.read_text()):
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)

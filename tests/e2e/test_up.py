@@ -14,11 +14,26 @@ import pytest
 
 from switchyard import procs
 
+# How long a test waits for `up` to say it is ready, and how long `up` itself waits for its
+# stack. Alone on this machine it takes about 5 s; beside a vLLM module's engines loading on the
+# other CI worker, its ingress once logged its first line 59 s after the start, and the 60 s it
+# had then ran out (the fresh-clone CI of 9aeb43d).
+READY_S = 180
+
 
 def _start_up(port: int, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
         procs.service_command(
-            "up", "--port", str(port), "--log-level", "warning", "--report-interval-s", "0.2", *flags
+            "up",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--report-interval-s",
+            "0.2",
+            "--ready-timeout-s",
+            str(READY_S),
+            *flags,
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -48,7 +63,7 @@ def test_up_serves_and_stops_cleanly(stop_signal):
     port = procs.free_port()
     proc = _start_up(port)
     try:
-        line = _wait_ready_line(proc, 60)
+        line = _wait_ready_line(proc, READY_S)
         assert f"http://127.0.0.1:{port}/v1" in line
         descendants = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(p.cmdline()) for p in descendants)
@@ -74,7 +89,7 @@ def test_up_runs_a_colocated_fleet():
     port = procs.free_port()
     proc = _start_up(port, "--prefill", "0", "--decode", "0", "--colocated", "2", "--tpot-slo-s", "0.05")
     try:
-        _wait_ready_line(proc, 60)
+        _wait_ready_line(proc, READY_S)
         names = " ".join(" ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True))
         assert names.count("--child both-") == 2 and "--child prefill-" not in names and "--child decode-" not in names
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -122,7 +137,7 @@ def test_a_crashed_scheduler_is_restarted_and_the_stack_serves_again():
     port = procs.free_port()
     proc = _start_up(port)
     try:
-        _wait_ready_line(proc, 60)
+        _wait_ready_line(proc, READY_S)
         assert _complete(port) == 3
         victim = _child(proc, "switchyard scheduler")
         victim.kill()
@@ -152,7 +167,7 @@ def test_without_restarts_a_crash_stops_the_stack():
         start_new_session=True,
     )
     try:
-        _wait_ready_line(proc, 60)
+        _wait_ready_line(proc, READY_S)
         _child(proc, "--child decode-").kill()
         assert proc.wait(timeout=30) == 1
         assert "stopping the stack" in proc.stdout.read()

@@ -11,14 +11,14 @@ import openai
 import psutil
 
 from switchyard import procs
-from tests.e2e.test_up import _start_up, _wait_ready_line
+from tests.e2e.test_up import READY_S, _start_up, _wait_ready_line
 
 
 def test_up_runs_a_batch_to_completed():
     port = procs.free_port()
     proc = _start_up(port)
     try:
-        _wait_ready_line(proc, 60)
+        _wait_ready_line(proc, READY_S)
         names = " ".join(" ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True))
         assert names.count("--child batch-runner") == 1
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)

@@ -9,12 +9,22 @@ import subprocess
 import openai
 
 from switchyard import procs
-from tests.e2e.test_up import _wait_ready_line
+from tests.e2e.test_up import READY_S, _wait_ready_line
 
 
 def _start_up(port: int, data_dir: str) -> subprocess.Popen:
     return subprocess.Popen(
-        procs.service_command("up", "--port", str(port), "--data-dir", data_dir, "--log-level", "warning"),
+        procs.service_command(
+            "up",
+            "--port",
+            str(port),
+            "--data-dir",
+            data_dir,
+            "--log-level",
+            "warning",
+            "--ready-timeout-s",
+            str(READY_S),
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -38,7 +48,7 @@ def test_files_survive_a_restart_of_the_whole_stack(tmp_path):
     port = procs.free_port()
     first = _start_up(port, data_dir)
     try:
-        assert f"data in {data_dir}" in _wait_ready_line(first, 60)
+        assert f"data in {data_dir}" in _wait_ready_line(first, READY_S)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         uploaded = client.files.create(file=("input.jsonl", b'{"custom_id": "1"}\n'), purpose="batch")
         second = subprocess.run(
@@ -54,7 +64,7 @@ def test_files_survive_a_restart_of_the_whole_stack(tmp_path):
     assert first.returncode == 0
     again = _start_up(port, data_dir)
     try:
-        _wait_ready_line(again, 60)
+        _wait_ready_line(again, READY_S)
         assert client.files.retrieve(uploaded.id) == uploaded
         assert client.files.content(uploaded.id).content == b'{"custom_id": "1"}\n'
     finally:
