@@ -95,7 +95,11 @@ _NO_RESPONDERS = "503"
 # Snapshots waiting for a fetcher. The core asks at most one per worker at a time, so
 # this bounds the fleet the scheduler can resync at once, not the work it can do.
 _SNAPSHOT_QUEUE = 4096
-_STALL_LOGGED_S = 0.5  # a stall of the loop this long is worth a warning
+# A stall of the loop this long (or a quarter of the worker expiry, if less) is credited to
+# the workers' silence and logged (``SchedulerService._unheard``). Shorter lateness is a busy
+# loop that still reads its inbox between tasks: credited every tick, it would slow the
+# detection of a dead worker by as much as the loop runs late.
+_STALL_S = 0.5
 # Runs this scheduler knows a worker holds (it dispatched them there, or adopted them from
 # that worker's answer), by request id, the latest last: an audit cancels a stray run only
 # if it is one of these (``Audit.strays``). A worker, which may not publish cancels, cannot
@@ -427,18 +431,16 @@ class SchedulerService:
 
     def _unheard(self, since_tick_s: float) -> float:
         """How long this loop read nothing before a tick that came ``since_tick_s`` after the
-        last one (0 unless over two ticks late). A stall (a long pause of the process, a task
-        that held the loop) leaves the workers' heartbeats and acks of its time unread in the
-        inbox: the tick after it must not take that for silence, expire every worker and fail
-        their streams, nor time out the dispatches it has not read the acks of."""
+        last one: how late it came, if that is a stall (``_STALL_S``); else 0. A stall (a long
+        pause of the process, a task that held the loop) leaves the workers' heartbeats and
+        acks of its time unread in the inbox: the tick after it must not take that for
+        silence, expire every worker and fail their streams, nor time out the dispatches it
+        has not read the acks of."""
         late = since_tick_s - self.config.tick_s
-        if late <= self.config.tick_s:
+        if late < min(_STALL_S, self.config.core.worker_expiry_s / 4):
             return 0.0
         self._pending = {t: dataclasses.replace(p, deadline=p.deadline + late) for t, p in self._pending.items()}
-        if late >= _STALL_LOGGED_S:
-            log.warning(
-                "the scheduler's loop stalled %.1f s: worker silence and ack waits over it are not counted", late
-            )
+        log.warning("the scheduler's loop stalled %.1f s: worker silence and ack waits over it are not counted", late)
         return late
 
     async def _serve_pings(self, sub: Subscription) -> None:

@@ -438,6 +438,24 @@ def test_a_stall_of_the_scheduler_itself_is_no_workers_silence() -> None:
     assert set(h.core.workers) == {"p1"}
 
 
+def test_the_service_credits_a_stall_not_a_loop_that_runs_a_little_late(caplog: pytest.LogCaptureFixture) -> None:
+    """``SchedulerService._unheard``: a tick 0.3 s late (a busy loop that still reads its
+    inbox) credits nothing; 1.5 s late (a stall) credits 1.5 s, moves the unanswered
+    dispatches' ack deadlines by as much and says so; with a 1 s expiry, 0.3 s is a stall."""
+    from switchyard.scheduler.config import SchedulerServiceConfig
+    from switchyard.scheduler.service import SchedulerService, _PendingAck
+
+    service = SchedulerService(SchedulerServiceConfig(tick_s=0.1, core=SchedulerConfig(worker_expiry_s=2.0)))
+    service._pending = {"t1": _PendingAck("p1", "r", deadline=10.0)}
+    assert service._unheard(0.4) == 0.0 and service._pending["t1"].deadline == 10.0
+    assert "stalled" not in caplog.text
+    assert service._unheard(1.6) == pytest.approx(1.5)
+    assert service._pending["t1"].deadline == pytest.approx(11.5)
+    assert "the scheduler's loop stalled 1.5 s" in caplog.text
+    quick = SchedulerService(SchedulerServiceConfig(tick_s=0.1, core=SchedulerConfig(worker_expiry_s=1.0)))
+    assert quick._unheard(0.4) == pytest.approx(0.3)
+
+
 def test_without_the_credit_the_same_silence_removes_every_worker() -> None:
     """The same 1.7 s with nothing heard, as a plain tick: every worker is gone, its stream failed."""
     h = Harness(worker_expiry_s=1.0)
