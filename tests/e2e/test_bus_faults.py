@@ -23,7 +23,7 @@ import pytest
 from switchyard import procs
 from switchyard.observability.bus import Credentials
 from switchyard.scheduler.session_store import BUCKET, session_key
-from tests.e2e.test_up import READY_S
+from tests.e2e.test_up import READY_S, up_command
 from tests.support.up_nats import admin_credentials
 
 SESSION = "x-session-affinity"
@@ -55,19 +55,7 @@ class Up:
 def up(tmp_path_factory) -> Iterator[Up]:
     port = procs.free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
-    command = procs.service_command(
-        "up",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--report-interval-s",
-        "0.2",
-        "--sim-decode-step-base-s",
-        "0.01",  # streams of 300 tokens last 3 s: long enough to be cut
-        "--ready-timeout-s",
-        str(READY_S),
-    )
+    command = up_command(port, "--sim-decode-step-base-s", "0.01")  # streams of 300 tokens: 3 s, long enough to cut
     with log.open("w") as out:
         process = psutil.Popen(command, env=procs.child_env(), stdout=out, stderr=out, start_new_session=True)
     stack = Up(port, process, log)

@@ -21,20 +21,15 @@ from switchyard import procs
 READY_S = 180
 
 
+def up_command(port: int, *flags: str) -> list[str]:
+    """``switchyard up`` as these tests start it: quiet, heartbeats every 0.2 s, ``READY_S``."""
+    quick = ("--log-level", "warning", "--report-interval-s", "0.2", "--ready-timeout-s", str(READY_S))
+    return procs.service_command("up", "--port", str(port), *quick, *flags)
+
+
 def _start_up(port: int, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        procs.service_command(
-            "up",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--report-interval-s",
-            "0.2",
-            "--ready-timeout-s",
-            str(READY_S),
-            *flags,
-        ),
+        up_command(port, *flags),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
