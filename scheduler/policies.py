@@ -218,11 +218,9 @@ class Switchyard:
         if view.ttft_budget_s < math.inf:
             # Among the workers where it would keep its SLO with room to spare, the one that
             # computes least: cache reuse is capacity, and capacity is the next request's SLO.
-            safe: list[WorkerState] = []
-            for limit in dict.fromkeys(safe_limits(view.ttft_budget_s, view.alone)):
-                safe = [w for w in candidates if self.predicted_ttft_s(w, view) <= limit]
-                if safe:
-                    break
+            first, second = safe_limits(view.ttft_budget_s, view.alone)
+            safe = [w for w in candidates if self.predicted_ttft_s(w, view) <= first]
+            safe = safe or [w for w in candidates if self.predicted_ttft_s(w, view) <= second]
             if safe:
                 slack = worker_fleet_slack(safe[0])
 

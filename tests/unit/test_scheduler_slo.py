@@ -74,13 +74,13 @@ def test_a_late_request_runs_once_its_worker_has_slack() -> None:
     assert placed(h.event(prefill_done(a, "p0", prefill_s=1.5))) == {"b": "p0"}
 
 
-def _document_on_p0(queued: int) -> tuple[Harness, RequestSpec]:
-    """Two prefill workers, p0 holding a 16,000-token document and ``queued`` tokens of
-    another prompt on its ledger; the core and a question on the document (1,000 more)."""
+def _document_on_p0(queued: int, document: int = 16_000) -> tuple[Harness, RequestSpec]:
+    """Two prefill workers, p0 holding a ``document``-token document and ``queued`` tokens
+    of another prompt on its ledger; the core and a question on the document (1,000 more)."""
     from switchyard.schemas import KvSnapshot
 
     h = fleet(workers=2, worker_expiry_s=100.0)
-    doc = make_spec("doc", prompt_len=16_000)
+    doc = make_spec("doc", prompt_len=document)
     h.core.index.load_snapshot(KvSnapshot(worker_id="p0", seq=0, blocks={"device": doc.block_keys}))
     assert placed(h.admit(make_spec("a", prompt_len=queued))) == {"a": "p0"}
     return h, make_spec("q", prompt=doc.prompt_tokens + make_spec("x", prompt_len=1_000).prompt_tokens)
@@ -106,14 +106,7 @@ def test_alone_on_a_busy_fleet_a_request_no_worker_serves_within_half_its_budget
     1,000) / 8,000 = 1.625 s; p1 computes it all: 1.375 s. Neither is within half the 2 s
     SLO, both within it. Alone in the queue on a fleet that has been busy lately, it goes
     to p0 (1,000 tokens computed, not 11,000); with spare time, to the quickest, p1."""
-    from switchyard.schemas import KvSnapshot
-
-    h = fleet(workers=2, worker_expiry_s=100.0)
-    doc = make_spec("doc", prompt_len=10_000)
-    h.core.index.load_snapshot(KvSnapshot(worker_id="p0", seq=0, blocks={"device": doc.block_keys}))
-    h.core.index.load_snapshot(KvSnapshot(worker_id="p1", seq=0, blocks={}))
-    assert placed(h.admit(make_spec("a", prompt_len=12_000))) == {"a": "p0"}  # both idle: the lower id
-    question = make_spec("q", prompt=doc.prompt_tokens + make_spec("x", prompt_len=1_000).prompt_tokens)
+    h, question = _document_on_p0(12_000, document=10_000)
     h.core.fleet.busy = busy  # (the core sets it from its ticks: the share of time the fleet was busy)
     assert placed(h.admit(question)) == {"q": "p0" if busy else "p1"}
     assert not h.core.requests["q"].late
