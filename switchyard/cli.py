@@ -89,13 +89,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from switchyard.bench import batch, chaos, federation, kv, live, matrix, overhead, scheduler_bench, sim, synth
+    from switchyard.bench import (
+        batch,
+        bound,
+        chaos,
+        federation,
+        kv,
+        live,
+        matrix,
+        overhead,
+        scheduler_bench,
+        sim,
+        synth,
+    )
 
     for name, module, help_ in (
         ("overhead", overhead, "what the fabric adds: TTFT, stream throughput, memory"),
         ("sim", sim, "replay a trace through the scheduler core over a simulated fleet"),
         ("matrix", matrix, "bench sim --sweep on every trace, fleet shape and cache; switchyard vs the best peer"),
         ("synth", synth, "write a seeded Mooncake-format trace of a shape we have no real trace of"),
+        ("bound", bound, "the most goodput a trace's decode workers can give, whatever the placement (cost model)"),
         ("live", live, "replay a trace, time-scaled, through the running system and beside its simulation"),
         ("kv", kv, "vllm: TTFT with the prefix loaded from LMCache/Mooncake vs recomputed, and raw Mooncake"),
         ("chaos", chaos, "kill workers, the active scheduler and nats-server under load; compare every output"),
