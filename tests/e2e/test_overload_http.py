@@ -143,8 +143,12 @@ def _phase(stack, request_id: str) -> str | None:
 
 
 def _opened(client: openai.OpenAI, stack, phase: str):
-    """A long streaming request, once the scheduler has it in ``phase``."""
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, stream=True)
+    """A long streaming request, once the scheduler has it in ``phase``. Greedy: the response
+    starts with the first token that has text (``ingress.generation``), and a sampled token 0
+    may have none (a piece of a character). Then its role chunk waited for token 1, that is for
+    the decode room this test keeps full: 18 s, after which the request read ``decode``, not
+    ``awaiting_decode`` (about 1 run in 20). Greedy, token 0 is the same each run, with text."""
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, stream=True, temperature=0)
     first = next(iter(stream))  # the role chunk, sent with token 0's text; its id is the request's
     assert wait_until(lambda: _phase(stack, first.id) == phase, timeout_s=10), _phase(stack, first.id)
     return stream
