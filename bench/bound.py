@@ -53,6 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from switchyard.bench.costmodel import CostModel
+from switchyard.bench.sim import positive_int
 from switchyard.bench.traces import TraceRequest, read_trace
 
 _Floats = npt.NDArray[np.floating[Any]]
@@ -63,7 +64,7 @@ _STEP_GRID_S = 0.0001  # step times tried, every 0.1 ms
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, required=True, help="Mooncake JSONL or Azure CSV trace")
     p.add_argument("--format", choices=("mooncake", "azure"), default=None, help="default: from the file")
-    p.add_argument("--decode", type=_positive_int, default=2, help="decode workers (default 2)")
+    p.add_argument("--decode", type=positive_int, default=2, help="decode workers (default 2)")
     p.add_argument("--tpot-slo-s", type=float, default=0.05, help="time per output token at most this")
     p.add_argument(
         "--report-delay-s",
@@ -78,13 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the best peer's peak goodput, req/s (bench matrix): print each bound's ratio to it",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/bound"), help="bound.json and bound.png here")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
