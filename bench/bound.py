@@ -108,7 +108,8 @@ class Answers:
         self.steps = steps[order]
         self.step_sums = np.concatenate(([0], np.cumsum(self.steps)))  # steps of the first i answers
         self.mean_steps = float(self.steps.mean())
-        decoded = sum(max(r.output_tokens - 1, 0) for r in requests)
+        self.one_token = int(np.searchsorted(self.steps, 1, side="left"))  # answers of no step: first, always kept
+        decoded = int(self.step_sums[-1])
         # The KV a sequence holds at a step, averaged over every step of every answer.
         self.context = (
             sum(max(r.output_tokens - 1, 0) * (r.input_tokens + r.output_tokens / 2) for r in requests) / decoded
@@ -121,35 +122,50 @@ class Answers:
     def sequences(self, step_s: _Floats) -> _Floats:
         return np.maximum(step_s - self.base_s, 0.0) / self.per_seq_s
 
-    def first_good(
-        self, step_s: _Floats, slo_s: float, report_s: float, join: float
-    ) -> tuple[npt.NDArray[np.int64], int]:
+    def first_good(self, step_s: _Floats, slo_s: float, report_s: float, join: float) -> npt.NDArray[np.int64]:
         """By step time, the index (in ``steps`` order) of the first answer of one step or
-        more that keeps the SLO (``count`` where none does), and how many answers take no
-        step (one-token answers: first in order, always kept). An answer of ``k`` steps
-        keeps it when ``k * (slo - S) >= report + join * S``."""
+        more that keeps the SLO (``count`` where none does). An answer of ``k`` steps keeps
+        it when ``k * (slo - S) >= report + join * S``."""
         slack = slo_s - step_s
         positive = slack > 0
         need = np.where(positive, (report_s + join * step_s) / np.where(positive, slack, 1.0), math.inf)
-        zero = int(np.searchsorted(self.steps, 1, side="left"))
         least = np.maximum(np.ceil(need - 1e-9), 1.0)  # steps an answer needs, at least one
         first = np.searchsorted(self.steps, np.where(positive, least, 0.0), side="left")
-        return np.where(positive, first, self.count).astype(np.int64), zero
+        return np.where(positive, first, self.count).astype(np.int64)
 
 
-def bounds(answers: Answers, workers: int, slo_s: float, report_s: float) -> list[Bound]:
-    """The one- and two-step-time bounds, for each join wait (``_JOINS``)."""
+@dataclass(frozen=True)
+class _Curves:
+    """Over the step times tried (every ``_STEP_GRID_S`` up to the SLO), with every worker
+    stepping alike: one worker's tokens a second, the requests served a second, and by
+    join wait (``_JOINS``) the first answer kept (``Answers.first_good``) and the share kept."""
+
+    steps: _Floats
+    rate: _Floats
+    served: _Floats
+    first: dict[float, npt.NDArray[np.int64]]
+    good: dict[float, _Floats]
+
+
+def _curves(answers: Answers, workers: int, slo_s: float, report_s: float) -> _Curves:
     steps = np.arange(answers.base_s + _STEP_GRID_S, slo_s, _STEP_GRID_S)
     if not len(steps):
         raise ValueError(
             f"a decode step takes at least {answers.base_s * 1e3:.1f} ms: no step keeps a {slo_s * 1e3:g} ms SLO"
         )
-    rate = answers.sequences(steps) / steps  # tokens a second, one worker
+    rate = answers.sequences(steps) / steps
+    first = {join: answers.first_good(steps, slo_s, report_s, join) for join in _JOINS}
+    good: dict[float, _Floats] = {j: (answers.count - f + answers.one_token) / answers.count for j, f in first.items()}
+    return _Curves(steps, rate, workers * rate / max(answers.mean_steps, 1e-12), first, good)
+
+
+def bounds(answers: Answers, workers: int, slo_s: float, report_s: float) -> list[Bound]:
+    """The one- and two-step-time bounds, for each join wait (``_JOINS``)."""
+    curves = _curves(answers, workers, slo_s, report_s)
+    steps, served = curves.steps, curves.served
     out: list[Bound] = []
     for join in _JOINS:
-        first, zero = answers.first_good(steps, slo_s, report_s, join)
-        good = (answers.count - first + zero) / answers.count
-        served = workers * rate / max(answers.mean_steps, 1e-12)
+        good = curves.good[join]
         goodput = served * good
         i = int(np.argmax(goodput))
         one = Bound(
@@ -163,7 +179,7 @@ def bounds(answers: Answers, workers: int, slo_s: float, report_s: float) -> lis
             quick_workers=0,
             sequences=float(answers.sequences(steps[i : i + 1])[0]),
         )
-        out += [one, _two_speeds(answers, workers, steps, rate, first, zero, one)]
+        out += [one, _two_speeds(answers, workers, steps, curves.rate, curves.first[join], one)]
     return out
 
 
@@ -173,7 +189,6 @@ def _two_speeds(
     steps: _Floats,
     rate: _Floats,
     first: npt.NDArray[np.int64],
-    zero: int,
     one: Bound,
 ) -> Bound:
     """``k`` workers at ``S1``, the rest at ``S2 >= S1``; answers by length. Per admitted
@@ -181,8 +196,7 @@ def _two_speeds(
     which only the quick workers may take, and the steps of all. Serving ``R`` requests a
     second needs ``R * quick <= T1`` and ``R * all <= T1 + T2``; goodput ``R * good``. With
     one worker, or where no split beats it, the one-step-time bound (``quick_workers`` 0)."""
-    sums, n = answers.step_sums, answers.count
-    total = sums[-1] / n
+    sums, n, zero = answers.step_sums, answers.count, answers.one_token
     best = replace(one, model="two step times")
     for k in range(1, workers):
         for a in range(len(steps)):
@@ -190,7 +204,7 @@ def _two_speeds(
             f1, f2 = first[a], first[b]
             quick = (sums[np.maximum(f2, f1)] - sums[f1]) / n
             good = (n - np.minimum(f1, f2) + zero) / n
-            served = (k * rate[a] + (workers - k) * rate[b]) / max(total, 1e-12)
+            served = (k * rate[a] + (workers - k) * rate[b]) / max(answers.mean_steps, 1e-12)
             held = np.where(quick > 0, k * rate[a] / np.where(quick > 0, quick, 1.0), math.inf)
             served = np.minimum(served, held)
             goodput = served * good
@@ -237,7 +251,12 @@ def run(args: argparse.Namespace) -> int:
         "bounds": [asdict(b) for b in found],
     }
     (args.out / "bound.json").write_text(json.dumps(record, indent=2) + "\n")
-    plot(answers, args.decode, args.tpot_slo_s, args.report_delay_s, args.peer_goodput, args.out / "bound.png")
+    plot(
+        _curves(answers, args.decode, args.tpot_slo_s, args.report_delay_s),
+        args.decode,
+        args.peer_goodput,
+        args.out / "bound.png",
+    )
     print(f"\nwrote {args.out / 'bound.json'}, {args.out / 'bound.png'}")
     return 0
 
@@ -254,21 +273,15 @@ def table(found: list[Bound], peer: float | None) -> str:
     return "\n".join(lines)
 
 
-def plot(answers: Answers, workers: int, slo_s: float, report_s: float, peer: float | None, path: Path) -> None:
+def plot(curves: _Curves, workers: int, peer: float | None, path: Path) -> None:
     """Goodput against the step time, one step time for every worker, each join wait."""
     from switchyard.bench import plots
 
-    steps = np.arange(answers.base_s + _STEP_GRID_S, slo_s, _STEP_GRID_S)
-    served = workers * answers.sequences(steps) / steps / max(answers.mean_steps, 1e-12)
+    steps_ms = curves.steps * 1e3
     fig, ax = plots.figure()
-    ax.plot(steps * 1e3, served, ":", label="served (every request admitted at random)")
-    for join in _JOINS:
-        first, zero = answers.first_good(steps, slo_s, report_s, join)
-        ax.plot(
-            steps * 1e3,
-            served * (answers.count - first + zero) / answers.count,
-            label=f"goodput, join wait {join:g} step",
-        )
+    ax.plot(steps_ms, curves.served, ":", label="served (every request admitted at random)")
+    for join, good in curves.good.items():
+        ax.plot(steps_ms, curves.served * good, label=f"goodput, join wait {join:g} step")
     if peer:
         ax.axhline(peer, color="grey", linestyle="--", label="best peer's peak")
         ax.axhline(1.3 * peer, color="black", linestyle="--", label="1.3x the best peer")
