@@ -9,28 +9,7 @@ import subprocess
 import openai
 
 from switchyard import procs
-from tests.e2e.test_up import READY_S, _wait_ready_line
-
-
-def _start_up(port: int, data_dir: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        procs.service_command(
-            "up",
-            "--port",
-            str(port),
-            "--data-dir",
-            data_dir,
-            "--log-level",
-            "warning",
-            "--ready-timeout-s",
-            str(READY_S),
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=procs.child_env(),
-        start_new_session=True,
-    )
+from tests.e2e.test_up import READY_S, _start_up, _wait_ready_line
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -46,7 +25,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def test_files_survive_a_restart_of_the_whole_stack(tmp_path):
     data_dir = str(tmp_path / "data")
     port = procs.free_port()
-    first = _start_up(port, data_dir)
+    first = _start_up(port, "--data-dir", data_dir)
     try:
         assert f"data in {data_dir}" in _wait_ready_line(first, READY_S)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -62,7 +41,7 @@ def test_files_survive_a_restart_of_the_whole_stack(tmp_path):
     finally:
         _stop(first)
     assert first.returncode == 0
-    again = _start_up(port, data_dir)
+    again = _start_up(port, "--data-dir", data_dir)
     try:
         _wait_ready_line(again, READY_S)
         assert client.files.retrieve(uploaded.id) == uploaded
