@@ -506,6 +506,30 @@ static inline double ceil_small(double x) {
     return down < x ? down + 1.0 : down;
 }
 
+/* A worker's uncached prompt tokens from its matched blocks (``nb``, ``nd`` of them on its
+ * device; ``PlacementView.uncached_tokens``), and what its ledger takes for them: at least
+ * one, whole (``_fitting``). */
+static inline double uncached_of(int64_t nb, int64_t nd, long long prompt, long long block_size, double fetch_credit) {
+    if (nb <= 0) return (double)prompt;
+    int64_t fetchable = (nb - nd) * block_size;
+    double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
+    return computed > 0.0 ? computed : 0.0;
+}
+
+static inline double need_of(double uncached) {
+    double need = ceil_small(uncached);
+    return need >= 1.0 ? need : 1.0;
+}
+
+/* ``Placer._fits`` at slot ``s``: its budget takes ``need`` (an idle worker takes anything),
+ * and (``check_kv``) a colocated worker holding decodes has KV room for this one's. */
+static inline int slot_fits(int64_t s, double need, const double *load, const double *budget, int check_kv,
+                            const double *coloc, const double *holding, const double *kv, const double *kvcap,
+                            long long decode_tokens) {
+    if (!(load[s] == 0.0 || load[s] + need <= budget[s])) return 0;
+    return !(check_kv && coloc[s] != 0.0 && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s]));
+}
+
 /* One worker that fits, kept by the first pass for the second (``spread``). */
 typedef struct {
     int64_t slot;
@@ -563,7 +587,7 @@ static PyObject *quickest(const double *load, const double *rate, const double *
                           double fetch_credit, long long decode_tokens, int check_kv, const double *factor,
                           double prefill_scale, double both_scale, const double *filled, int by_filled,
                           Fit *fit) {
-    const double whole = (double)prompt, whole_need = ceil_small(whole) >= 1.0 ? ceil_small(whole) : 1.0;
+    const double whole = (double)prompt, whole_need = need_of(whole);
     const int prefill_scaled = prefill_scale == prefill_scale, both_scaled = both_scale == both_scale;
     double best_pred = INFINITY, best_unc = INFINITY;
     int64_t best = -1;
@@ -577,21 +601,14 @@ static PyObject *quickest(const double *load, const double *rate, const double *
         int64_t r = rows[s];
         int32_t nb = (r >= 0 && r < nblocks) ? blocks[r] : 0;
         double uncached = whole, need = whole_need;
-        if (nb > 0) { /* _uncached */
-            int64_t nd = device[r];
-            int64_t fetchable = (nb - nd) * block_size;
-            double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
-            uncached = computed > 0.0 ? computed : 0.0;
-            need = ceil_small(uncached); /* _fitting */
-            if (!(need >= 1.0)) need = 1.0;
+        if (nb > 0) {
+            uncached = uncached_of(nb, device[r], prompt, block_size, fetch_credit);
+            need = need_of(uncached);
         }
-        double l = load[s];
-        if (!(l == 0.0 || l + need <= budget[s])) continue;
-        int colocated = coloc[s] != 0.0;
-        if (check_kv && colocated && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s])) continue;
-        double w = colocated ? (both_scaled ? factor[s] * both_scale : rate[s])
-                             : (prefill_scaled ? factor[s] * prefill_scale : rate[s]);
-        double pred = (l + uncached) / w; /* choose_slots */
+        if (!slot_fits(s, need, load, budget, check_kv, coloc, holding, kv, kvcap, decode_tokens)) continue;
+        double w = coloc[s] != 0.0 ? (both_scaled ? factor[s] * both_scale : rate[s])
+                                   : (prefill_scaled ? factor[s] * prefill_scale : rate[s]);
+        double pred = (load[s] + uncached) / w; /* choose_slots */
         if (pred <= best_pred || best < 0) /* a slower one cannot tie the quickest: not kept */
             fit[m++] = (Fit){.slot = s, .pred = pred, .uncached = uncached, .need = need};
         if (pred < best_pred || best < 0) {
@@ -690,18 +707,10 @@ static PyObject *choose_prefill(PyObject *self, PyObject *const *args, Py_ssize_
             if (nb != last_nb || nd != last_nd) { /* a worker's (blocks, device) is mostly its neighbour's */
                 last_nb = nb;
                 last_nd = nd;
-                if (nb > 0) { /* _uncached */
-                    int64_t fetchable = (nb - nd) * block_size;
-                    double computed = (double)(prompt - nd * block_size) - fetch_credit * (double)fetchable;
-                    uncached = computed > 0.0 ? computed : 0.0;
-                } else {
-                    uncached = (double)prompt;
-                }
-                need = ceil(uncached); /* _fitting */
-                if (!(need >= 1.0)) need = 1.0;
+                uncached = uncached_of(nb, nd, prompt, block_size, fetch_credit);
+                need = need_of(uncached);
             }
-            if (!(load[s] == 0.0 || load[s] + need <= budget[s])) continue;
-            if (check_kv && coloc[s] != 0.0 && !(holding[s] == 0.0 || kv[s] + (double)decode_tokens <= kvcap[s])) continue;
+            if (!slot_fits(s, need, load, budget, check_kv, coloc, holding, kv, kvcap, decode_tokens)) continue;
             double scale = coloc[s] != 0.0 ? both_scale : prefill_scale; /* NaN: ``rate`` holds it */
             double pred = (load[s] + uncached) / (scale == scale ? factor[s] * scale : rate[s]); /* choose_slots */
             double work = uncached, tie = 0.0;
