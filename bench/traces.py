@@ -47,14 +47,18 @@ class TraceRequest:
 
 
 def read_trace(path: Path, fmt: TraceFormat | None = None, limit: int | None = None) -> list[TraceRequest]:
-    """The first ``limit`` requests of the trace (all when None), in arrival order."""
-    fmt = fmt or detect_format(path)
-    rows = _read_mooncake(path) if fmt == "mooncake" else _read_azure(path)
+    """The first ``limit`` requests of the trace (all when None), in arrival order. A file
+    that cannot be opened or read is a ``TraceError`` naming it, as a malformed one is."""
     requests: list[TraceRequest] = []
-    for request in rows:
-        if limit is not None and len(requests) >= limit:
-            break
-        requests.append(request)
+    try:
+        fmt = fmt or detect_format(path)
+        rows = _read_mooncake(path) if fmt == "mooncake" else _read_azure(path)
+        for request in rows:
+            if limit is not None and len(requests) >= limit:
+                break
+            requests.append(request)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read it: {exc.strerror or exc}") from exc
     if not requests:
         raise TraceError(f"{path}: no requests")
     first = min(r.arrival_s for r in requests)

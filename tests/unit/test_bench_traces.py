@@ -132,3 +132,12 @@ def test_lru_hit_ratio_is_bounded_by_the_infinite_cache_and_shrinks_with_the_cac
     assert lru_hit_ratio(requests, 100) == pytest.approx(0.5)  # room for all: the bound
     assert lru_hit_ratio(requests, 3) == 0.0  # a and b keep evicting each other
     assert lru_hit_ratio(requests, 6) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", "missing", "folder.jsonl"])
+def test_a_trace_that_cannot_be_read_is_a_trace_error_naming_it(tmp_path, name):
+    path = tmp_path / name
+    if name.startswith("folder"):
+        path.mkdir()
+    with pytest.raises(TraceError, match=f"{path}: cannot read it"):
+        read_trace(path)
