@@ -227,6 +227,8 @@ def _two_speeds(
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.tpot_slo_s < math.inf or not 0 <= args.report_delay_s < math.inf:
         raise SystemExit("--tpot-slo-s must be positive and --report-delay-s not negative")
+    if args.peer_goodput is not None and not 0 < args.peer_goodput < math.inf:
+        raise SystemExit("--peer-goodput must be a positive number of requests a second")
     requests = read_trace(args.trace, args.format)
     cost = CostModel()
     answers = Answers(requests, cost)

@@ -149,3 +149,6 @@ def test_the_command_prints_the_table_and_writes_json_and_a_plot(
     args.tpot_slo_s = 0.0
     with pytest.raises(SystemExit, match="tpot-slo-s"):
         bound.run(args)
+    args.tpot_slo_s, args.peer_goodput = 0.05, -3.0
+    with pytest.raises(SystemExit, match="peer-goodput"):
+        bound.run(args)
