@@ -34,6 +34,7 @@ from switchyard import procs
 from switchyard.bench import plots
 from switchyard.bench import stack as bench_stack
 from switchyard.bench.stats import percentile
+from switchyard.observability import settle
 
 _DRAIN_S = 10.0  # bare pub/sub: how long the subscriber may lag the publisher's last message
 
@@ -187,7 +188,7 @@ async def _bare_request_reply(nats_url: str, n: int) -> list[float]:
             await msg.respond(msg.data)
 
         await responder.subscribe("bench.echo", cb=echo)
-        await responder.flush()
+        await settle(responder)
         # The flush says the responder's server has the subscription; the requester's may
         # hear of it a moment later (a cluster propagates interest): wait for it, untimed.
         deadline = time.monotonic() + 10.0
@@ -280,7 +281,7 @@ async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -
         sub = await sub_nc.subscribe(
             "bench.tokens", pending_msgs_limit=1_000_000, pending_bytes_limit=1024 * 1024 * 1024
         )
-        await sub_nc.flush()
+        await settle(sub_nc)
         received = 0
         sent = 0
         done, drained = anyio.Event(), anyio.Event()
@@ -302,11 +303,11 @@ async def _bare_pubsub(nats_url: str, tokens_per_message: int, seconds: float) -
                     await pub.publish("bench.tokens", payload)
                 sent += 100
                 await anyio.lowlevel.checkpoint()
-            await pub.flush()
+            await settle(pub)
             done.set()
             await pub.publish("bench.tokens", payload)
             sent += 1
-            await pub.flush()
+            await settle(pub)
             # A subscriber the server finds too slow loses messages, and then the count never
             # comes up to ``sent``: wait for the rest a while, not forever.
             with anyio.move_on_after(_DRAIN_S):

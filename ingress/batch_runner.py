@@ -60,7 +60,7 @@ from switchyard.ingress.batches import OUTPUT_PURPOSE, BatchMaker
 from switchyard.ingress.errors import ApiError, IngressError
 from switchyard.ingress.federation import REGION_HEADER
 from switchyard.ingress.files import FileStore
-from switchyard.observability import BusStats, connect, decoded, subscribe
+from switchyard.observability import BusStats, connect, decoded, settle, subscribe
 from switchyard.schemas import ClusterStatus, RegionSummary, StatusRequest, codec, subjects
 from switchyard.schemas import batch as schema
 
@@ -231,7 +231,7 @@ class BatchRunner:
                 tg.start_soon(self._submits, await subscribe(nc, subjects.BATCH_SUBMIT, schema.RUNNER_QUEUE))
                 if cfg.region:
                     tg.start_soon(self._hear_regions, await subscribe(nc, subjects.every_fed_summary()))
-                await nc.flush()
+                await settle(nc)
                 log.info("batch runner %s sending lines to %s", cfg.runner_id, cfg.ingress_url)
                 task_status.started()
                 await self._pull_loop(tg)

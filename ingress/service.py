@@ -27,7 +27,7 @@ from switchyard.ingress.files import FileStore, FilesUnavailable, files_routes
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.tokenizer import ModelTokenizer
 from switchyard.ingress.usage import UsageRecorder
-from switchyard.observability import BusStats, ServingMetrics, connect, subscribe
+from switchyard.observability import BusStats, ServingMetrics, connect, settle, subscribe
 from switchyard.schemas import subjects
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class IngressService:
                     await tg.start(self.usage.run)
                     if federation is not None:
                         await tg.start(federation.run)
-                    await nc.flush()
+                    await settle(nc)
                     tg.start_soon(self._serve_http, server, sock, tg.cancel_scope)
                     while not server.started:  # noqa: ASYNC110 (uvicorn offers a flag, no event)
                         await anyio.sleep(0.01)

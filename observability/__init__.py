@@ -15,6 +15,7 @@ from switchyard.observability.bus import (
     connect,
     decoded,
     redacted,
+    settle,
     subscribe,
 )
 from switchyard.observability.metrics import CONTENT_TYPE, EDGE_REFUSAL_REASONS, ServingMetrics
@@ -35,6 +36,7 @@ __all__ = [
     "connect",
     "decoded",
     "redacted",
+    "settle",
     "subscribe",
     "tracing",
 ]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Annotated, Any, Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import nats
 from nats.aio.client import Client
@@ -196,7 +197,7 @@ async def connect(
         with anyio.move_on_after(5, shield=True):
             if nc.is_connected:
                 with anyio.move_on_after(2):
-                    await nc.flush()
+                    await settle(nc)
             await nc.close()
     if watch.lost is not None:
         raise watch.lost
@@ -253,5 +254,25 @@ async def decoded(sub: Subscription, codec: Decodes[T_co], what: str) -> AsyncIt
         yield msg, message
 
 
+_SETTLE_TURNS = 100
+
+
 async def subscribe(nc: Client, subject: str, queue: str = "") -> Subscription:
     return await nc.subscribe(subject, queue=queue, pending_msgs_limit=PENDING_MSGS, pending_bytes_limit=PENDING_BYTES)
+
+
+async def settle(nc: Client) -> None:
+    """Return once the server has every command given on ``nc`` so far: a subscription
+    made before it is heard from here on, by any connection. ``nc.flush()`` alone does not
+    promise that. nats-py writes flush()'s PING straight to the socket, ahead of the
+    commands still queued for its flusher task, so the PONG can come back before the server
+    has read the SUBs just made, and a request from another connection then finds no
+    responder (a worker that said it was ready, refusing its first task). So the flusher is
+    given its turns until nothing is queued (it writes the queue in one go), and only then
+    the PING goes out, behind everything. A connection that others keep publishing on may
+    never be empty: after ``_SETTLE_TURNS`` turns its PING goes anyway."""
+    for _ in range(_SETTLE_TURNS):
+        if not nc.is_connected or nc.pending_data_size == 0:
+            break
+        await anyio.lowlevel.checkpoint()
+    await nc.flush()

@@ -50,7 +50,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 
-from switchyard.observability import BusStats, connect, decoded, redacted, subscribe, tracing
+from switchyard.observability import BusStats, connect, decoded, redacted, settle, subscribe, tracing
 from switchyard.scheduler.audit import Audit
 from switchyard.scheduler.config import SchedulerServiceConfig
 from switchyard.scheduler.core import (
@@ -180,7 +180,7 @@ class SchedulerService:
         tg.start_soon(self._serve_events, events)
         tg.start_soon(self._serve_cancels, cancels)
         tg.start_soon(self._serve_answers, answers)
-        await nc.flush()
+        await settle(nc)
         return answers
 
     async def _activate(self, nc: Client, tg: TaskGroup, lease: LeaseKeeper, answers: Subscription) -> None:
@@ -199,7 +199,7 @@ class SchedulerService:
             pings = await subscribe(nc, subjects.FED_PING, queue=subjects.FED_PING_QUEUE)
             tg.start_soon(self._serve_pings, pings)
             tg.start_soon(self._publish_summaries)
-        await nc.flush()
+        await settle(nc)
         self.active.set()  # from here on, events feed the core
         # Workers that were up before us register now instead of at their next beat, and
         # say what they hold for the scheduler before us.

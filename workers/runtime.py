@@ -34,7 +34,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
 
-from switchyard.observability import BusStats, connect, decoded, subscribe
+from switchyard.observability import BusStats, connect, decoded, settle, subscribe
 from switchyard.schemas import (
     Cancel,
     EngineStats,
@@ -232,7 +232,7 @@ class WorkerRuntime:
             finally:
                 with anyio.move_on_after(2, shield=True):
                     await bus.event(WorkerLeaving(worker_id=cfg.worker_id))
-                    await nc.flush()
+                    await settle(nc)
 
     async def _start(self, tg: TaskGroup, nc: Client, bus: WorkerBus) -> None:
         tasks = await subscribe(nc, subjects.worker_tasks(self.config.worker_id))
@@ -247,7 +247,7 @@ class WorkerRuntime:
         cache = self.kv.cache
         if isinstance(cache, PushedKvCache):
             tg.start_soon(self._publish_kv_pushes, cache, bus)
-        await nc.flush()
+        await settle(nc)
         tg.start_soon(self._heartbeat, bus)
 
     async def _publish_kv_pushes(self, cache: PushedKvCache, bus: WorkerBus) -> None:

@@ -29,7 +29,7 @@ from switchyard.ingress.batch_runner import BatchRunner
 from switchyard.ingress.batch_store import BatchStore
 from switchyard.ingress.batches import BatchMaker, cancelled
 from switchyard.ingress.files import FileStore
-from switchyard.observability import connect, subscribe
+from switchyard.observability import connect, settle, subscribe
 from switchyard.schemas import ClusterStatus, codec, subjects
 from switchyard.schemas.batch import (
     JOB_REPLY,
@@ -141,7 +141,7 @@ async def bed(url: str) -> AsyncIterator[Bed]:
         await b.store.ensure()
         await b.files.ensure()
         tg.start_soon(b.scheduler.serve, nc)
-        await nc.flush()
+        await settle(nc)
         yield b
         tg.cancel_scope.cancel()
 

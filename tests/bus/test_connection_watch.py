@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from switchyard import procs
-from switchyard.observability import BusClosedError, connect, subscribe
+from switchyard.observability import BusClosedError, connect, settle, subscribe
 from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.scheduler.service import SchedulerService
 from switchyard.scheduler.session_store import SessionStore
@@ -44,7 +44,7 @@ async def test_a_cleanup_that_trips_over_the_closed_connection_still_says_why(na
 
 async def test_leaving_the_block_is_no_loss(nats):
     async with connect(nats.url, "calm") as nc:
-        await nc.flush()
+        await settle(nc)
     assert nc.is_closed
 
 

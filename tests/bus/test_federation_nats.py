@@ -21,6 +21,7 @@ from nats.js.errors import APIError, ServiceUnavailableError
 
 from switchyard import nats_config, procs
 from switchyard.nats_config import Address, LeafSpec
+from switchyard.observability import settle
 from switchyard.observability.bus import connect
 from switchyard.schemas import subjects
 from switchyard.wan import Relay, RttTable
@@ -157,7 +158,7 @@ def test_rtt_table_refuses(bad):
 async def test_a_request_to_another_regions_service_takes_the_pairs_round_trip(regions, here, there):
     async with _clients(regions, here, there) as (nc_here, nc_there):
         await nc_there.subscribe(subjects.SUBMIT, cb=_respond)
-        await nc_there.flush()
+        await settle(nc_there)
         to_there = subjects.to_region(there, "submit")
         assert await _request_when_routed(nc_here, to_there) == b"served:" + subjects.SUBMIT.encode()
         start = time.monotonic()
@@ -170,7 +171,7 @@ async def test_a_cancel_published_to_another_region_reaches_its_subscribers(regi
     async with _clients(regions, "us", "eu") as (us, eu):
         cancels = await eu.subscribe(subjects.CANCEL)
         await eu.subscribe(subjects.FED_PING, cb=_respond)
-        await eu.flush()
+        await settle(eu)
         await _request_when_routed(us, subjects.to_region("eu", "ping"))  # eu's interest is known in us
         await us.publish(subjects.to_region("eu", "cancel"), b"req-1")
         msg = await cancels.next_msg(timeout=5.0)
@@ -181,8 +182,8 @@ async def test_a_workers_stream_reaches_its_ingress_region_and_no_other(regions)
     async with _clients(regions, "us", "eu", "ap") as (us, eu, ap):
         at_us = await us.subscribe(subjects.streams_of("us.ing-1"))
         at_ap = await ap.subscribe(subjects.every_stream())
-        await us.flush()
-        await ap.flush()
+        await settle(us)
+        await settle(ap)
         await anyio.sleep(0.5)  # the subscriptions' interest crosses the gateways
         await eu.publish(subjects.stream("us.ing-1", "w-eu"), b"tokens")
         await eu.publish(subjects.stream("ap.ing-1", "w-eu"), b"marker")  # ap's own: it does cross
@@ -197,7 +198,7 @@ async def test_a_regions_own_subjects_never_cross(regions):
     async with _clients(regions, "us", "eu") as (us, eu):
         events = await us.subscribe(subjects.WORKER_EVENTS)
         summaries = await us.subscribe(subjects.every_fed_summary())
-        await us.flush()
+        await settle(us)
         await anyio.sleep(0.5)
         await eu.publish(subjects.WORKER_EVENTS, b"eu worker")
         await eu.publish(subjects.fed_summary("eu"), b"eu summary")  # federation: crosses, after it
@@ -271,12 +272,12 @@ async def test_an_ingress_on_a_leaf_node_reaches_its_regions_scheduler(regions, 
         procs.wait_for_port(hub.host, port, 10.0, leaf)
         async with _clients(regions, "us") as (us,), connect(f"nats://{hub.host}:{port}", "test-leaf") as edge:
             await us.subscribe(subjects.SUBMIT, cb=_respond)
-            await us.flush()
+            await settle(us)
             assert await _request_when_routed(edge, subjects.SUBMIT) == b"served:" + subjects.SUBMIT.encode()
             # and the region's account is the leaf's: us's imports are there too
             async with _clients(regions, "eu") as (eu,):
                 await eu.subscribe(subjects.SUBMIT, cb=_respond)
-                await eu.flush()
+                await settle(eu)
                 assert await _request_when_routed(edge, subjects.to_region("eu", "submit"))
     finally:
         procs.stop([leaf])
@@ -289,7 +290,7 @@ async def test_losing_a_region_leaves_the_other_two_talking_and_jetstream_workin
     regions.kill("ap")
     async with _clients(regions, "us", "eu") as (us, eu):
         await eu.subscribe(subjects.SUBMIT, cb=_respond)
-        await eu.flush()
+        await settle(eu)
         assert await _request_when_routed(us, subjects.to_region("eu", "submit"))
         created = await _add_stream(us, "AFTER_LOSS", ["after.>"])  # the meta group keeps 2 of 3
         assert created.config.name == "AFTER_LOSS"
@@ -297,5 +298,5 @@ async def test_losing_a_region_leaves_the_other_two_talking_and_jetstream_workin
     regions.wait_ready()
     async with _clients(regions, "eu", "ap") as (eu, ap):
         await ap.subscribe(subjects.SUBMIT, cb=_respond)
-        await ap.flush()
+        await settle(ap)
         assert await _request_when_routed(eu, subjects.to_region("ap", "submit"))

@@ -22,7 +22,7 @@ from nats.aio.client import Client
 
 from switchyard import nats_auth, procs
 from switchyard.ingress.files import FileStore
-from switchyard.observability import BusAuthError, BusStats, NatsClientConfig, connect, redacted, subscribe
+from switchyard.observability import BusAuthError, BusStats, NatsClientConfig, connect, redacted, settle, subscribe
 from switchyard.scheduler import SchedulerServiceConfig
 from switchyard.scheduler.service import SchedulerService
 from switchyard.schemas import files, subjects
@@ -63,13 +63,13 @@ async def _denied(secured: Secured, user: str, subject: str) -> int:
     stats = BusStats()
     async with secured.as_user("admin") as admin, secured.as_user(user, stats) as nc:
         heard = await subscribe(admin, subject)
-        await admin.flush()
+        await settle(admin)
         await nc.publish(subject, b"forged")
-        await nc.flush()
+        await settle(nc)
         with anyio.fail_after(5):
             while stats.denied == 0:
                 await anyio.sleep(0.01)
-        await admin.flush()
+        await settle(admin)
         return heard.pending_msgs
 
 
@@ -91,8 +91,8 @@ async def test_the_roles_do_their_work(secured: Secured):
 
         tg.start_soon(answer, tasks, b"ack")
         tg.start_soon(answer, submits, b"admitted")
-        await worker.flush()
-        await scheduler.flush()
+        await settle(worker)
+        await settle(scheduler)
         assert (await scheduler.request(subjects.worker_tasks("prefill-0"), b"task", timeout=5)).data == b"ack"
         assert (await ingress.request(subjects.SUBMIT, b"request", timeout=5)).data == b"admitted"
         await worker.publish(subjects.stream("ingress-1", "prefill-0"), b"tokens")
@@ -132,9 +132,9 @@ async def test_nobody_else_reads_a_workers_tasks(secured: Secured, user: str):
         with anyio.fail_after(5), pytest.raises(BusAuthError, match="subscription"):
             async with secured.as_user(user, stats) as snoop:
                 stolen = await subscribe(snoop, subjects.worker_tasks("prefill-0"))
-                await snoop.flush()
+                await settle(snoop)
                 await scheduler.publish(subjects.worker_tasks("prefill-0"), b"a victim's prompt")
-                await scheduler.flush()
+                await settle(scheduler)
                 await anyio.sleep(10)  # cancelled by the refusal
         assert stats.denied == 1 and stolen.pending_msgs == 0
 
@@ -213,7 +213,7 @@ def tls_server(tmp_path) -> Iterator[tuple[str, Path]]:
 async def test_tls_to_an_external_server_is_one_setting(tls_server: tuple[str, Path]):
     url, ca = tls_server
     async with connect(url, "tls", client=NatsClientConfig(tls_ca=str(ca))) as nc:
-        await nc.flush()
+        await settle(nc)
         assert nc.connected_url is not None
     with pytest.raises(ssl.SSLCertVerificationError):  # without the CA, nobody vouches for it
         await nats_py.connect(url, allow_reconnect=False, connect_timeout=2, tls=ssl.create_default_context())
@@ -248,7 +248,7 @@ async def test_the_ingress_keeps_its_file_buckets_and_nothing_more(secured: Secu
 async def _refused_request(nc: Client, stats: BusStats, subject: str) -> None:
     before = stats.denied
     await nc.publish(subject, b"{}", reply=nc.new_inbox())
-    await nc.flush()
+    await settle(nc)
     with anyio.fail_after(5):
         while stats.denied == before:
             await anyio.sleep(0.01)

@@ -12,6 +12,7 @@ import pytest
 from nats.errors import NoRespondersError
 
 from switchyard import procs
+from switchyard.observability import settle
 from switchyard.observability.bus import BusStats, connect
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
@@ -187,7 +188,7 @@ async def test_slow_consumer_drops_are_counted(nats):
     stats = BusStats()
     async with connect(nats.url, "slow", stats) as slow, connect(nats.url, "fast") as fast:
         sub = await slow.subscribe("flood", pending_msgs_limit=10)
-        await slow.flush()
+        await settle(slow)
         # Nobody reads the subscription: past its 10 pending messages, each one is dropped.
         # Flooded in rounds until a drop is counted (a loaded machine may deliver late),
         # for at most 10 s: without the count, this fails.
@@ -195,7 +196,7 @@ async def test_slow_consumer_drops_are_counted(nats):
             while stats.dropped == 0:
                 for _ in range(500):
                     await fast.publish("flood", b"x" * 100)
-                await fast.flush()
+                await settle(fast)
                 await anyio.sleep(0.1)
         pending = sub.pending_msgs
         await sub.unsubscribe()

@@ -10,6 +10,7 @@ import time
 import anyio
 import pytest
 
+from switchyard.observability import settle
 from switchyard.observability.bus import connect
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.scheduler.service import SchedulerService, SchedulerServiceConfig
@@ -78,7 +79,7 @@ class _Streams:
 async def _streams(nc, tg) -> _Streams:
     streams = _Streams(await nc.subscribe(subjects.streams_of(_INGRESS)))
     tg.start_soon(streams.serve)
-    await nc.flush()
+    await settle(nc)
     return streams
 
 

@@ -19,7 +19,7 @@ from switchyard import cli, nats_auth, procs
 from switchyard import usage as usage_cli
 from switchyard.ingress.config import IngressConfig, UsageConfig
 from switchyard.ingress.usage import UsageRecorder
-from switchyard.observability import BusStats, NatsClientConfig, ServingMetrics, connect
+from switchyard.observability import BusStats, NatsClientConfig, ServingMetrics, connect, settle
 from switchyard.schemas import UsageRecord, subjects, usage
 
 pytestmark = pytest.mark.anyio
@@ -193,7 +193,7 @@ async def test_the_ingress_user_writes_records_and_cannot_remove_them(tmp_path):
 async def _refused(nc: Client, stats: BusStats, subject: str) -> None:
     before = stats.denied
     await nc.publish(subject, b"{}", reply=nc.new_inbox())
-    await nc.flush()
+    await settle(nc)
     with anyio.fail_after(5):
         while stats.denied == before:
             await anyio.sleep(0.01)

@@ -14,6 +14,7 @@ import nats
 import openai
 
 from switchyard import procs
+from switchyard.observability import settle
 from switchyard.scheduler.config import SchedulerConfig
 from switchyard.schemas import StreamBatch, StreamChunk, codec, subjects
 from tests.support.stack import MODEL, running_stack, worker_config
@@ -109,6 +110,6 @@ async def _forge(nats_url: str, ingress_id: str, request_id: str) -> None:
     try:
         batch = StreamBatch(sender="decode-0", chunks=chunks)  # the body's say counts for nothing
         await nc.publish(subjects.stream(ingress_id, "intruder"), codec.STREAM_BATCH.encode(batch))
-        await nc.flush()
+        await settle(nc)
     finally:
         await nc.close()

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from switchyard import procs
-from switchyard.observability import BusStats, NatsClientConfig, connect
+from switchyard.observability import BusStats, NatsClientConfig, connect, settle
 from switchyard.schemas import subjects
 from tests.support.up_nats import auth_dir
 
@@ -92,7 +92,7 @@ def test_a_workers_credentials_cannot_publish_a_task_nor_an_outsider_connect(up:
             await nc.publish(subjects.CANCEL, b"forged")
             with anyio.fail_after(5):
                 while stats.denied < 2:
-                    await nc.flush()
+                    await settle(nc)
                     await anyio.sleep(0.01)
         return stats.denied
 

@@ -26,6 +26,7 @@ import httpx
 import psutil
 
 from switchyard import procs
+from switchyard.observability import settle
 from switchyard.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +197,7 @@ class BusWatch:
             self.events.append(codec.WORKER_EVENT.decode(msg.data))
 
         await self._nc.subscribe(subjects.WORKER_EVENTS, cb=on_event)
-        await self._nc.flush()
+        await settle(self._nc)
 
     def status(self):
         from switchyard.schemas import ClusterStatus, StatusRequest, codec, subjects

@@ -1,0 +1,60 @@
+"""``settle``: a subscription made before it has reached the server when it returns, which
+nats-py's own ``flush()`` does not promise. Read off a real nats-server's protocol trace."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from switchyard.observability import connect, settle, subscribe
+from switchyard.procs import free_port, nats_server_binary, spawn, stop, wait_for_port
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def traced(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A nats-server that logs every protocol line its clients send (``-V``)."""
+    port, log = free_port(), tmp_path / "trace.log"
+    proc = spawn([str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-V", "-l", str(log)])
+    try:
+        wait_for_port("127.0.0.1", port, 10.0, proc)
+        yield f"nats://127.0.0.1:{port}", log
+    finally:
+        stop([proc])
+
+
+def _received(log: Path) -> list[str]:
+    """What clients sent, in the order the server read it: ``SUB <subject>``, ``PING``."""
+    lines = re.findall(r"<<- \[(SUB \S+|PING)", log.read_text())
+    return [line for line in lines if line == "PING" or line.startswith("SUB work.")]
+
+
+async def _subscribe_then(url: str, log: Path, wait) -> list[str]:
+    async with connect(url, "settle-test") as nc:
+        before = len(_received(log))
+        for i in range(4):  # as a worker does before it says it is ready
+            await subscribe(nc, f"work.{i}")
+        await wait(nc)
+        return _received(log)[before:]
+
+
+async def test_settle_returns_only_after_the_server_has_read_the_subscriptions(traced):
+    url, log = traced
+    assert await _subscribe_then(url, log, settle) == ["SUB work.0", "SUB work.1", "SUB work.2", "SUB work.3", "PING"]
+
+
+async def test_nats_py_flush_alone_can_overtake_the_subscriptions(traced):
+    """Why ``settle`` exists: nats-py writes flush()'s PING ahead of the queued SUBs, so its
+    PONG does not mean they were read. If nats-py orders them one day, this fails, and
+    ``settle`` can become a plain flush."""
+
+    async def flush(nc: Client) -> None:
+        await nc.flush()
+
+    got = await _subscribe_then(*traced, flush)
+    assert got[0] == "PING", got
