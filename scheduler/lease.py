@@ -214,9 +214,24 @@ class LeaseKeeper:
         self._changed.set()
         with anyio.move_on_after(1, shield=True):
             try:
-                await self._kv.delete(KEY, last=self.state.revision)
+                await self._delete_ours(self._kv)
             except (nats.errors.Error, OSError) as exc:  # it expires on its own
                 log.debug("lease not released: %r", exc)
+
+    async def _delete_ours(self, kv: KeyValue) -> None:
+        """The delete, on the revision held. A stop that cut a renewal short (its write
+        stored, its answer never read) holds an older revision than the key's, and that
+        delete is refused: the key is read back and deleted if it is still ours, as
+        ``_refused`` does for a renewal. Otherwise the standby waited out the TTL."""
+        try:
+            await kv.delete(KEY, last=self.state.revision)
+        except BadRequestError:  # wrong last sequence (JetStream's 10071)
+            try:
+                entry = await kv.get(KEY)
+            except KeyNotFoundError:
+                return  # gone already
+            if entry.value == self.holder.encode() and entry.revision is not None:
+                await kv.delete(KEY, last=entry.revision)
 
     async def _sleep_until_due(self) -> None:
         if self.state.next_at == float("inf"):

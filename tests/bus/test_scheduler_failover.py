@@ -119,7 +119,10 @@ async def test_one_replica_answers_and_a_standby_takes_over_within_2_s_of_its_de
 
 
 async def test_a_takeover_rebuilds_the_ledger_and_finishes_every_request_in_every_phase_once(nats):
-    slow = SimCostModel(prefill_base_s=1.0, decode_step_base_s=0.05)
+    # Prefills of 2 s: the ledger is compared before "prefilling" ends and "queued" takes its
+    # place. A takeover may wait a lease try (0.25 s) and the roll call (up to 0.5 s); with
+    # 1 s prefills a loaded CI machine once compared after.
+    slow = SimCostModel(prefill_base_s=2.0, decode_step_base_s=0.05)
     first, second = _replica(nats.url), _replica(nats.url)
     async with connect(nats.url, "test") as nc, anyio.create_task_group() as tg:
         streams = await _streams(nc, tg)
