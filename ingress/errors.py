@@ -164,7 +164,20 @@ class Shed(GenerationFailed):
     type = "rate_limit_error"
 
 
-_BY_CODE: dict[str, type[GenerationFailed]] = {"deadline_exceeded": DeadlineExceeded, "overloaded": Shed}
+class EngineRefused(GenerationFailed):
+    """The engine would not take the request (``StreamError`` code ``invalid_request``): a
+    JSON schema its grammar backend cannot compile, a parameter it refuses. vLLM's own
+    server answers these 400; so does this one, with the engine's reason."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+_BY_CODE: dict[str, type[GenerationFailed]] = {
+    "deadline_exceeded": DeadlineExceeded,
+    "overloaded": Shed,
+    "invalid_request": EngineRefused,
+}
 
 
 def generation_error(code: str, message: str, retry_after_s: float | None = None) -> GenerationFailed:

@@ -423,7 +423,9 @@ class Cancel(_Wire, frozen=True):
 
 
 class StreamError(_Wire, frozen=True):
-    code: str  # "worker_lost", "prefill_failed", "overloaded", "deadline_exceeded", "internal"
+    # "worker_lost", "prefill_failed", "overloaded", "deadline_exceeded", "internal";
+    # "invalid_request": the engine refused the request itself (the client's error)
+    code: str
     message: str
     retry_after_s: float | None = None  # "overloaded": when a retry may find room (HTTP Retry-After)
 

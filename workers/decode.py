@@ -40,6 +40,7 @@ from switchyard.schemas import (
     RequestFinished,
     SharedBlocks,
     StreamChunk,
+    StreamError,
     TokenLogprobs,
     WorkerTask,
 )
@@ -59,6 +60,7 @@ class _Pending:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, if asked for
     finished: FinishReason | None = None
+    error: StreamError | None = None  # the engine refused the request (``StepOutput.refused``)
 
 
 @dataclass(slots=True)
@@ -290,6 +292,8 @@ class DecodeRole:
                     pending.logprobs.append(out.logprobs)
             if out.finished is not None:
                 pending.finished = out.finished
+                if out.refused is not None:
+                    pending.error = StreamError(code="invalid_request", message=out.refused)
                 stream.ended += 1
                 if stream.ended < stream.choices:
                     continue
@@ -316,6 +320,7 @@ class DecodeRole:
                         token_ids=pending.tokens,
                         finish_reason=pending.finished,
                         logprobs=pending.logprobs or None,
+                        error=pending.error,
                         index=index,
                     )
                 )

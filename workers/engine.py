@@ -39,6 +39,10 @@ class StepOutput:
     kv_loaded_tokens: int = 0
     logprobs: TokenLogprobs | None = None  # ``token``'s, when the request asked for them
     index: int = 0  # the choice it belongs to (``SamplingParams.n``)
+    # On an ``abort``: the engine refused the request itself (a JSON schema its grammar
+    # backend cannot compile, a parameter it does not take), with its reason. The client's
+    # error (400), not the worker's.
+    refused: str | None = None
 
 
 class PrefillEngine(Protocol):

@@ -490,11 +490,24 @@ class VllmEngine:
             try:
                 await self._stream_decode(llm, task, vllm_rid, decoding)
             except Exception as exc:
+                refused = str(exc) if _refuses_request(exc) and not llm.errored else None
                 for index, position in decoding.next_positions.items():  # every choice still going ends
-                    self._emit(StepOutput(request_id=rid, token=None, position=position, finished="abort", index=index))
+                    self._emit(
+                        StepOutput(
+                            request_id=rid,
+                            token=None,
+                            position=position,
+                            finished="abort",
+                            index=index,
+                            refused=refused,
+                        )
+                    )
                 if llm.errored:
                     raise EngineError(f"{self.worker_id}: the vLLM engine died decoding {rid}") from exc
-                log.exception("%s: decode failed", rid)
+                if refused is not None:
+                    log.warning("%s: vLLM refused the request: %s", rid, refused)
+                else:
+                    log.exception("%s: decode failed", rid)
             except anyio.get_cancelled_exc_class():
                 # Aborted, or the engine is stopping. vLLM aborts a request whose generator
                 # closes, but that await is cancelled too (anyio cancels until the scope
@@ -693,6 +706,15 @@ def decode_transfer_args(handle: Any) -> dict[str, Any] | None:
     if isinstance(handle, NixlKvHandle):
         return {"kv_transfer_params": json.loads(handle.params) | {"do_remote_prefill": True}}
     return None
+
+
+def _refuses_request(exc: Exception) -> bool:
+    """vLLM's own verdict on the request, not a failure of the engine: its client errors
+    (``VLLMValidationError``: a JSON schema no grammar backend compiles) and the
+    ``ValueError``s its input processing raises, which vLLM's OpenAI server answers 400."""
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(exc, VLLMClientError | ValueError)
 
 
 def _expected_loaded(task: DecodeTask, worker_id: str) -> int:

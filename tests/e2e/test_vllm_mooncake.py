@@ -23,6 +23,7 @@ import random
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from tests.support.stack import wait_until
@@ -113,6 +114,23 @@ def test_structured_outputs_hold_across_prefill_and_decode(client, bus, stream):
             assert wait_until(lambda r=rid: r in bus.finished(), 5)
             finished = bus.finished()[rid]
             assert finished.kv_loaded_tokens == finished.kv_expected_tokens > 0  # handed over, not recomputed
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_schema_the_engine_cannot_compile_is_the_clients_400_not_an_empty_answer(client, stream):
+    """vLLM refuses a JSON schema none of its grammar backends compiles. Before, that came
+    back 200 with no content and finish_reason "abort"; vLLM's own server answers 400."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "broken", "schema": {"type": "objekt"}}}
+    messages = [{"role": "user", "content": "Describe a track."}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        reply = client.chat.completions.create(
+            model="tiny-llama", messages=messages, max_tokens=20, response_format=fmt, stream=stream
+        )
+        if stream:
+            list(reply)  # a streamed refusal would come as the stream's error event
+    assert refused.value.status_code == 400 and "objekt" in refused.value.message, refused.value.message
+    after = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=3)
+    assert after.choices[0].finish_reason == "length"  # the engines serve on
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

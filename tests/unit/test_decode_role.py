@@ -5,8 +5,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from switchyard.schemas import DecodeTask, PromptUsage, SimKvHandle
+from switchyard.schemas import DecodeTask, PromptUsage, SimKvHandle, StreamError
 from switchyard.workers.decode import DecodeRole
+from switchyard.workers.engine import StepOutput
 from switchyard.workers.sim import SimCostModel, SimEngine, SimEngineConfig
 from tests.support.factories import make_spec
 
@@ -114,3 +115,30 @@ async def test_cancel_drops_unsent_tokens_and_frees_the_engine() -> None:
     assert role.running() == 0 and engine.held_tokens == 0
     await _run(role, bus, lambda: True)
     assert len(_positions(bus, "a")) == sent
+
+
+class _Refusing(SimEngine):
+    """Refuses request "bad" as vLLM refuses a JSON schema no grammar backend compiles:
+    an ``abort`` with the engine's reason, before any token."""
+
+    async def step(self) -> list[StepOutput]:
+        outputs = await super().step()
+        if self.abort("bad"):
+            outputs.append(StepOutput("bad", None, 1, "abort", refused="Grammar error: Invalid type: objekt"))
+        return outputs
+
+
+async def test_a_request_the_engine_refuses_ends_with_the_clients_error_not_a_silent_abort() -> None:
+    engine = _Refusing(SimEngineConfig(cost=SimCostModel(decode_step_base_s=0.001)), "d")
+    role, bus = DecodeRole(engine, "d", 100_000, min_publish_interval_s=0.01), RecordingBus()
+    role.offer(_task("bad", "i", 50), {})
+    role.offer(_task("good", "i", 5), {})
+    await _run(role, bus, lambda: len(bus.events) == 2)
+    chunks = [c for _, batch in bus.batches for c in batch]
+    bad = [c for c in chunks if c.request_id == "bad"]
+    assert [(c.finish_reason, c.error) for c in bad] == [
+        ("abort", StreamError(code="invalid_request", message="Grammar error: Invalid type: objekt"))
+    ]
+    assert all(c.error is None for c in chunks if c.request_id == "good")
+    assert _positions(bus, "good") == [1, 2, 3, 4]
+    assert role.running() == 0
