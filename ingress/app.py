@@ -379,7 +379,7 @@ class Ingress:
         span.set_attribute("switchyard.request_id", spec.request_id)
         span.set_attribute("http.request_id", request.state.request_id)  # the client's x-request-id, or ours
         log.debug("%s is x-request-id %s", spec.request_id, request.state.request_id)
-        inbox = self.router.open(spec.request_id, max_tokens)  # before submitting: hear every token
+        inbox = self.router.open(spec.request_id, max_tokens, spec.sampling.n)  # before submitting: hear every token
         try:
             if (region := request.headers.get(REGION_HEADER)) is not None:
                 if self.federation is None:

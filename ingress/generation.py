@@ -251,8 +251,8 @@ class Generation:
                 log.warning("%s: a chunk for choice %d, of %d", self.spec.request_id, chunk.index, len(self.choices))
                 continue
             choice = self.choices[chunk.index]
-            if choice.sequencer.finished:
-                continue
+            if choice.sequencer.finished and chunk.error is None:
+                continue  # an error fails the request, whichever choice it names (the router's: 0)
             try:
                 tokens = choice.sequencer.feed(chunk)
             except StreamFailed:

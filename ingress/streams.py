@@ -141,8 +141,9 @@ class StreamRouter:
         self.refused = 0  # chunks from a sender the scheduler never assigned to their request
         self.schedulers: set[str] = set()  # the ids of the schedulers whose chunks we had
 
-    def open(self, request_id: str, max_tokens: int) -> Inbox:
-        inbox = Inbox(request_id, max_tokens + _SLACK)
+    def open(self, request_id: str, max_tokens: int, choices: int = 1) -> Inbox:
+        """Each choice (``n``) sends its own chunks, up to one a token and its usage."""
+        inbox = Inbox(request_id, choices * (max_tokens + 1) + _SLACK)
         self._inboxes[request_id] = inbox
         return inbox
 

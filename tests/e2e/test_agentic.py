@@ -360,6 +360,16 @@ def test_n_choices_are_prefilled_once_and_come_back_indexed(client, stack):
     assert reasons == {0: "length", 1: "length", 2: "length"} and usage.completion_tokens == 36
 
 
+def test_many_short_choices_all_come_back(client):
+    """n = 128 two-token answers: 256 chunks for one request. The ingress's room for a
+    stream counted max_tokens only; it overflowed, and the client waited until its timeout."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, n=128, max_tokens=2, temperature=1, extra_body={"ignore_eos": True}, timeout=30
+    )
+    assert [c.index for c in reply.choices] == list(range(128))
+    assert all(c.finish_reason == "length" for c in reply.choices) and reply.usage.completion_tokens == 256
+
+
 def test_n_chat_choices_with_a_forced_tool_call_each_call(client):
     named = {"type": "function", "function": {"name": "count_wagons"}}
     reply = client.chat.completions.create(

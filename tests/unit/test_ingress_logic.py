@@ -466,6 +466,18 @@ def test_router_fails_an_overflowing_stream_instead_of_growing() -> None:
     assert inbox.chunks[-1].error is not None and inbox.chunks[-1].error.code == "overflow"
 
 
+def test_router_makes_room_for_every_choice() -> None:
+    """n = 128 two-token answers: each choice sends its own chunks (a 2-token request's
+    room alone overflowed at once, and the request was failed)."""
+    router = StreamRouter()
+    inbox = router.open("r", max_tokens=2, choices=128)
+    _assign(router, "r")
+    for index in range(128):
+        for seq in range(2):  # token 0 with its usage, then token 1: one chunk each
+            router.route(StreamChunk(request_id="r", seq=seq, token_ids=[seq], index=index), "w")
+    assert router.overflows == 0 and len(inbox.chunks) == 256
+
+
 def test_router_takes_chunks_only_from_the_workers_assigned() -> None:
     router = StreamRouter()
     inbox = router.open("r", max_tokens=8)

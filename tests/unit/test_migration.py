@@ -179,6 +179,7 @@ def _generation(
         inbox=inbox,
         span=INVALID_SPAN,
         arrived=0.0,
+        more_assemblers=lambda: TextAssembler(tokenizer.decode_stream(), []),  # n > 1
     )
     return generation, scheduler
 
@@ -298,3 +299,20 @@ async def test_an_error_of_the_request_itself_is_not_migrated() -> None:
     with pytest.raises(StreamFailed):
         await _run(generation)
     assert scheduler.submitted == []
+
+
+@pytest.mark.anyio
+async def test_an_error_fails_the_request_even_after_the_choice_it_names_finished() -> None:
+    """The router fails a stream with an error chunk of choice 0 (an overflow, a dark
+    region). With n = 2 and choice 0 done, that chunk was skipped as late news of a finished
+    choice, choice 1 never came, and the client waited for ever."""
+    spec = make_spec("r", prompt_len=20, max_tokens=2)
+    spec = msgspec.structs.replace(spec, sampling=msgspec.structs.replace(spec.sampling, n=2, temperature=1.0))
+    generation, _ = _generation(spec, [])
+    usage = PromptUsage(prompt_tokens=20, cached_tokens=0)
+    generation.inbox.put(_chunk(spec, 0, OUTPUT[:1], usage=usage))
+    generation.inbox.put(_chunk(spec, 1, OUTPUT[1:2], "length"))  # choice 0: done
+    generation.inbox.put(_chunk(spec, 0, OUTPUT[2:3], index=1))  # choice 1: one token of two
+    generation.inbox.fail("overflow", "the token stream overflowed")
+    with anyio.fail_after(5), pytest.raises(StreamFailed, match="overflowed"):
+        await _run(generation)
