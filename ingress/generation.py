@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import anyio
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
@@ -499,7 +500,10 @@ class Generation:
         outcome = self.outcome or "error"  # unsettled: something raised past the catch-all
         if not all(c.sequencer.finished for c in self.choices):  # a stop string, an error, a disconnect
             cancel = Cancel(request_id=rid, reason=outcome if outcome != "ok" else "stop")
-            await self.ctx.nc.publish(self.ctx.cancel_subject(rid), codec.CANCEL.encode(cancel))
+            try:
+                await self.ctx.nc.publish(self.ctx.cancel_subject(rid), codec.CANCEL.encode(cancel))
+            except nats.errors.Error as exc:  # the bus closed under it (the ingress stopping)
+                log.warning("%s: its cancel was not sent (%r); the rest of its cleanup goes on", rid, exc)
         if self.ctx.on_closed is not None:
             self.ctx.on_closed(rid)
         self._record(outcome)

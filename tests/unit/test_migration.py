@@ -9,6 +9,7 @@ from pathlib import Path
 import anyio.lowlevel
 import msgspec
 import pytest
+from nats.errors import ConnectionClosedError
 from opentelemetry.trace import INVALID_SPAN
 
 import switchyard.workers.sim as sim
@@ -316,3 +317,23 @@ async def test_an_error_fails_the_request_even_after_the_choice_it_names_finishe
     generation.inbox.fail("overflow", "the token stream overflowed")
     with anyio.fail_after(5), pytest.raises(StreamFailed, match="overflowed"):
         await _run(generation)
+
+
+class _ClosedBus:
+    async def publish(self, subject: str, payload: bytes) -> None:
+        raise ConnectionClosedError
+
+
+@pytest.mark.anyio
+async def test_cleanup_goes_on_when_the_bus_closed_under_it() -> None:
+    """An ingress stopping (SIGTERM) while a stream waits for its migration: the cancel of the
+    unfinished run met a closed connection, and the raise skipped the request's metrics,
+    span and usage record, and reached the client as a dropped connection."""
+    spec = make_spec("r", prompt_len=20, max_tokens=8)
+    generation, _ = _generation(spec, [])
+    generation.ctx.nc = _ClosedBus()  # type: ignore[assignment]
+    ended: list[str] = []
+    generation.ctx.on_finished = lambda g, outcome: ended.append(outcome)
+    generation.ctx.metrics.in_flight.inc()
+    await generation._cleanup()
+    assert ended == ["error"] and generation.ctx.metrics.in_flight._value.get() == 0
