@@ -254,11 +254,11 @@ async def decoded(sub: Subscription, codec: Decodes[T_co], what: str) -> AsyncIt
         yield msg, message
 
 
-_SETTLE_TURNS = 100
-
-
 async def subscribe(nc: Client, subject: str, queue: str = "") -> Subscription:
     return await nc.subscribe(subject, queue=queue, pending_msgs_limit=PENDING_MSGS, pending_bytes_limit=PENDING_BYTES)
+
+
+_SETTLE_TURNS = 100
 
 
 async def settle(nc: Client) -> None:

@@ -188,10 +188,14 @@ class LeaseKeeper:
         except (nats.errors.Error, OSError):
             self.state.failed(self._clock())
             return
-        if entry.value == self.holder.encode() and entry.revision is not None:
+        if self._ours(entry) and entry.revision is not None:
             self.state.written(entry.revision, sent_at)
         else:
             self.state.refused(self._clock())
+
+    def _ours(self, entry: KeyValue.Entry) -> bool:
+        """Whether the key read back names this replica."""
+        return entry.value == self.holder.encode()
 
     async def acquire(self) -> None:
         """Until this replica holds the lease."""
@@ -230,7 +234,7 @@ class LeaseKeeper:
                 entry = await kv.get(KEY)
             except KeyNotFoundError:
                 return  # gone already
-            if entry.value == self.holder.encode() and entry.revision is not None:
+            if self._ours(entry) and entry.revision is not None:
                 await kv.delete(KEY, last=entry.revision)
 
     async def _sleep_until_due(self) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from switchyard.observability import connect, settle, subscribe
-from switchyard.procs import free_port, nats_server_binary, spawn, stop, wait_for_port
+from switchyard.procs import free_port, nats_server_command, spawn, stop, wait_for_port
 
 pytestmark = pytest.mark.anyio
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.anyio
 def traced(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A nats-server that logs every protocol line its clients send (``-V``)."""
     port, log = free_port(), tmp_path / "trace.log"
-    proc = spawn([str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "-V", "-l", str(log)])
+    proc = spawn([*nats_server_command("127.0.0.1", port, None), "-V", "-l", str(log)])
     try:
         wait_for_port("127.0.0.1", port, 10.0, proc)
         yield f"nats://127.0.0.1:{port}", log
