@@ -259,6 +259,7 @@ class VllmEngine:
         self._kv_events = VllmKvEvents(f"ipc://{self._work_dir / 'kv-events.sock'}")
         self._live: _Live | None = None
         self._decoding: dict[str, _Decoding] = {}
+        self._ended: list[tuple[str, _Decoding]] = []  # decodes ended, until ``step`` takes their outputs
         self._outputs: list[StepOutput] = []
         self._ready = anyio.Event()  # replaced by each wait in ``step``, set by ``_emit``
         self._n = 0
@@ -470,11 +471,16 @@ class VllmEngine:
         return True
 
     async def step(self) -> list[StepOutput]:
-        while not self._outputs and self._decoding:
+        while True:
+            outputs, self._outputs = self._outputs, []
+            ended, self._ended = self._ended, []
+            for rid, decoding in ended:  # their last outputs are in ``outputs``: now they leave
+                if self._decoding.get(rid) is decoding:
+                    del self._decoding[rid]
+            if outputs or not self._decoding:
+                return outputs
             self._ready = anyio.Event()
             await self._ready.wait()
-        outputs, self._outputs = self._outputs, []
-        return outputs
 
     def _emit(self, output: StepOutput) -> None:
         self._outputs.append(output)
@@ -516,8 +522,10 @@ class VllmEngine:
                     await llm.abort(vllm_rid)
                 raise
             finally:
-                if self._decoding.get(rid) is decoding:
-                    del self._decoding[rid]
+                # It stays ``running`` until ``step`` took its last outputs: a request vLLM
+                # refuses before any await ends here before the role's loop first looks at
+                # ``running``, which would otherwise never step for its refusal.
+                self._ended.append((rid, decoding))
                 self._ready.set()
 
     async def _stream_decode(self, llm: Any, task: DecodeTask, vllm_rid: str, decoding: _Decoding) -> None:

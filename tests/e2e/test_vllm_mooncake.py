@@ -133,6 +133,17 @@ def test_a_schema_the_engine_cannot_compile_is_the_clients_400_not_an_empty_answ
     assert after.choices[0].finish_reason == "length"  # the engines serve on
 
 
+def test_a_request_vllm_refuses_before_it_steps_is_a_400_not_a_hang(client):
+    """vLLM refuses n > 1 with greedy sampling when it builds the request's SamplingParams,
+    before any await: the decode ended before the worker's loop looked at its engine, and the
+    refusal waited there for a step nobody took (the client hung until its timeout)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.with_options(timeout=20).completions.create(
+            model="tiny-llama", prompt="Signals change", max_tokens=4, temperature=0, n=2
+        )
+    assert refused.value.status_code == 400 and "greedy" in refused.value.message, refused.value.message
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_tool_call_round_trip(client, stream):
     """Call (constrained to the named tool's schema), tool result, final answer: the template

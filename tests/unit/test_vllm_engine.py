@@ -171,6 +171,47 @@ async def test_a_request_vllm_fails_fails_alone(fake_vllm, tmp_path):
     assert finished == {"bad": "abort", "good": "stop"}
 
 
+class _Bus:
+    """What the decode role publishes: its stream chunks and its events."""
+
+    def __init__(self) -> None:
+        self.chunks: list = []
+        self.events: list = []
+
+    async def stream(self, ingress_id, chunks) -> None:
+        self.chunks += chunks
+
+    async def event(self, event) -> None:
+        self.events.append(event)
+
+    async def kv_changes(self) -> None:
+        pass
+
+
+async def test_a_request_refused_before_vllm_steps_still_reaches_its_client(fake_vllm, tmp_path):
+    """vLLM refuses some requests before any await (``SamplingParams``: n > 1 with greedy
+    sampling): the decode ends within ``add``'s task before the role's loop looks at the
+    engine. Its refusal must still go out, not wait in the engine for a step nobody takes."""
+
+    def script(rid: str):
+        raise ValueError("n must be 1 when using greedy sampling, got 2.")
+
+    fake_vllm.llm = FakeLLM(script)
+    vllm = engine(tmp_path)
+    role, bus = DecodeRole(vllm, "w-1", 100_000, min_publish_interval_s=0.01), _Bus()
+    async with vllm.serving(), anyio.create_task_group() as tg:
+        tg.start_soon(role.serve, bus)
+        await anyio.sleep(0.01)  # the role's loop waits for work
+        role.offer(decode_task("greedy"), {})
+        with anyio.fail_after(5):
+            while not bus.events:
+                await anyio.sleep(0.005)
+        tg.cancel_scope.cancel()
+    assert [(c.finish_reason, c.error and c.error.code) for c in bus.chunks] == [("abort", "invalid_request")]
+    assert "greedy sampling" in bus.chunks[0].error.message
+    assert [e.request_id for e in bus.events] == ["greedy"] and vllm.running == 0
+
+
 async def test_a_dead_vllm_engine_takes_the_worker_down(fake_vllm, tmp_path):
     llm = FakeLLM(lambda rid: (_ for _ in ()).throw(RuntimeError("engine core died")))
     llm.errored = True
