@@ -48,6 +48,7 @@ from switchyard.ingress.extras import DetokenizeRequest, RequestIdMiddleware, To
 from switchyard.ingress.federation import REGION_HEADER, Federation
 from switchyard.ingress.generation import Generation, GenerationContext, Kind
 from switchyard.ingress.openai_types import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
@@ -57,6 +58,7 @@ from switchyard.ingress.openai_types import (
     stop_strings,
 )
 from switchyard.ingress.openapi import openapi_document
+from switchyard.ingress.prompts import Prompts
 from switchyard.ingress.sampling import sampling_params
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.text import TextAssembler
@@ -168,13 +170,30 @@ class Ingress:
         max_tokens = self._max_tokens(len(prompt), requested, param)
         return await self._generate(request, "chat", body, prompt, max_tokens, tools)
 
-    async def completions(self, request: Request) -> Response | Generation:
+    async def completions(self, request: Request) -> Generation | Prompts:
         body = await self._decode(await self._read_body(request), CompletionRequest)
         self._check_common(body)
-        prompt = await self._completion_prompt(body.prompt)
-        return await self._generate(
-            request, "completion", body, prompt, self._max_tokens(len(prompt), body.max_tokens, "max_tokens")
-        )
+        prompts = _prompt_list(body.prompt)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise InvalidRequest(
+                f"{len(prompts)} prompts of {body.n} choices each make {len(prompts) * body.n} choices; "
+                f"one response has at most {MAX_CHOICES}.",
+                param="prompt",
+            )
+        tokens = [await self._completion_prompt(prompt) for prompt in prompts]
+        limits = [self._max_tokens(len(prompt), body.max_tokens, "max_tokens") for prompt in tokens]
+        if len(tokens) == 1:
+            return await self._generate(request, "completion", body, tokens[0], limits[0])
+        parts: list[Generation] = []  # each prompt a request of its own (ingress.prompts)
+        try:
+            for prompt, limit in zip(tokens, limits, strict=True):
+                parts.append(await self._generate(request, "completion", body, prompt, limit))
+        except BaseException:  # one refused (a limit, no scheduler): the ones submitted are cancelled
+            with anyio.CancelScope(shield=True):
+                for part in parts:
+                    await part.abandon()
+            raise
+        return Prompts(parts)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
@@ -297,20 +316,13 @@ class Ingress:
             raise ModelNotFound(body.model)
         check_sampling(body)
 
-    async def _completion_prompt(self, prompt) -> list[int]:
+    async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return await self._off_loop(self._encode, prompt)
-        if prompt and all(isinstance(p, int) for p in prompt):
-            if not self._in_vocab(prompt):
-                vocab = self.tokenizer.info.vocab_size
-                raise InvalidRequest(f"Token ids must be a non-empty list in [0, {vocab}).", param="prompt")
-            return list(prompt)
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise InvalidRequest(
-                "`prompt` must be a string, a list of one string, or a list of token ids; one prompt per request.",
-                param="prompt",
-            )
-        return await self._off_loop(self._encode, prompt[0])
+        if not prompt or not self._in_vocab(prompt):
+            vocab = self.tokenizer.info.vocab_size
+            raise InvalidRequest(f"Token ids must be a non-empty list in [0, {vocab}).", param="prompt")
+        return list(prompt)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The messages (and tools) through the model's chat template, tokenized (in the pool)."""
@@ -358,7 +370,7 @@ class Ingress:
 
     async def _generate(
         self, request: Request, kind: Kind, body: Any, prompt: list[int], max_tokens: int, tools: ToolPlan | None = None
-    ) -> Response | Generation:
+    ) -> Generation:
         self._check_streams()
         sampling = sampling_params(
             body, max_tokens, self.tokenizer.info.vocab_size, tools.constraint() if tools is not None else None
@@ -528,6 +540,21 @@ def continuation_spec(spec: RequestSpec, output: list[int], *, key_scheme: KeySc
         ),
         deadline_s=None,
         resume_from=len(output),
+    )
+
+
+def _prompt_list(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """A completions ``prompt`` as its prompts: a text, token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [cast("list[int]", prompt)]
+    if prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        return cast("list[str | list[int]]", list(prompt))
+    raise InvalidRequest(
+        "`prompt` must be a string, a list of token ids, or a non-empty list of prompts: all strings, "
+        "or all lists of token ids.",
+        param="prompt",
     )
 
 

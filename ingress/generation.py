@@ -494,6 +494,13 @@ class Generation:
 
     # --- the end ----------------------------------------------------------------------------
 
+    async def abandon(self) -> None:
+        """End a generation that is never run (a request of several prompts, ``ingress.prompts``,
+        whose later prompt was refused): its request is cancelled and its route closed, as for a
+        client that left."""
+        self.outcome = "cancelled"
+        await self._cleanup()
+
     async def _cleanup(self) -> None:
         rid = self.spec.request_id
         self.ctx.router.close(rid)

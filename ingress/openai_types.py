@@ -154,7 +154,9 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
-    prompt: str | list[str | int]  # text, one text in a list, or token ids
+    # Text, token ids, or several prompts: a list of texts or of token-id lists (each a request
+    # of its own; ``ingress.prompts``).
+    prompt: str | list[str | int | list[int]]
     echo: bool = False  # likewise: ingress.fields refuses true
     logprobs: TopLogprobs | None = None  # the sampled token's, and this many alternatives
 

@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Route
 
 from switchyard.ingress.extras import DetokenizeRequest, TokenizeRequest
 from switchyard.ingress.openai_types import (
+    MAX_CHOICES,
     MAX_STOPS,
     ROLES,
     SEED_MAX,
@@ -190,11 +191,14 @@ def _tighten(schemas: dict[str, Any], model: str) -> None:
     schemas["ContentPart"]["required"] = ["type", "text"]
     completion = schemas["CompletionRequest"]["properties"]
     completion["echo"] = {"type": "boolean", "enum": [False], "default": False}
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
     completion["prompt"] = {
         "anyOf": [
             {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},  # token ids
+            token_ids,
+            # Several prompts (ingress.prompts): texts, or token-id lists; prompts x n <= MAX_CHOICES.
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES},
+            {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_CHOICES},
         ]
     }
 

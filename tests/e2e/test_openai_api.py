@@ -98,6 +98,60 @@ def test_completions_accepts_token_ids(client):
     assert reply.usage.prompt_tokens == 4 and reply.usage.completion_tokens == 3
 
 
+PROMPTS = ["The yard at dawn", "Signals change", "A freight train waits on the siding"]
+
+
+def test_completions_of_several_prompts_number_choices_per_prompt_and_sum_usage(client, stack):
+    # Each prompt alone first: greedy sim output is a pure function of the prompt.
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in PROMPTS]
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in reply.choices] == list(range(6))
+    for c in reply.choices:  # prompt i's choice j is choice i * n + j, as OpenAI and vLLM number them
+        assert c.text == alone[c.index // 2].choices[0].text and c.finish_reason == "length"
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert reply.usage.completion_tokens == 6 * 6
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 36
+    tokens = [stack.ingress.tokenizer.encode(p) for p in PROMPTS]  # token-id lists alike
+    by_ids = client.completions.create(model=MODEL, prompt=tokens, max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone]
+
+
+def test_completions_of_several_prompts_stream_as_one_response(client, stack):
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len({c.id for c in chunks}) == 1  # one response, whichever prompt a chunk is of
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert texts == {c.index: c.text for c in whole.choices}
+    finishes = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finishes == [0, 1, 2]
+    usage = [c for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0] is chunks[-1] and chunks[-1].choices == []
+    assert usage[0].usage.prompt_tokens == whole.usage.prompt_tokens and usage[0].usage.completion_tokens == 36
+    assert wait_until(lambda: len(stack.ingress.router) == 0)  # every prompt's route closed
+
+
+def test_completions_of_several_prompts_refused_whole(client, stack):
+    with pytest.raises(openai.BadRequestError, match="at most 128"):
+        client.completions.create(model=MODEL, prompt=["a"] * 65, max_tokens=1, n=2)
+    with pytest.raises(openai.BadRequestError, match="all strings"):
+        client.completions.create(model=MODEL, prompt=["a", [300, 301]], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="non-empty list"):
+        client.completions.create(model=MODEL, prompt=[[300], []], max_tokens=1)
+    # One prompt past the context refuses the request before any runs.
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt=[[300], [300] * 5000], max_tokens=1)
+    assert len(stack.ingress.router) == 0
+
+
 def test_max_completion_tokens_and_content_parts(client):
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=7)
