@@ -128,6 +128,23 @@ def test_concurrent_streams_are_bounded(stack, keys):
     assert wait_until(served, timeout_s=5, interval_s=0.1)
 
 
+def test_several_prompts_take_a_stream_each_and_a_refusal_cancels_the_ones_submitted(stack, keys):
+    """A completions request of two prompts is two requests (ingress.prompts): past the key's
+    one stream it is a 429 whole, and the prompt already submitted is cancelled, its route
+    closed and its stream given back."""
+
+    def cancelled() -> float:
+        sample = stack.ingress.metrics.registry.get_sample_value("switchyard_requests_total", {"outcome": "cancelled"})
+        return sample or 0.0
+
+    cancels_before = cancelled()
+    with pytest.raises(openai.RateLimitError, match="in flight"):
+        complete(stack, keys["streams"], prompt=["one prompt", "and another"])
+    assert len(stack.ingress.router) == 0
+    assert cancelled() == cancels_before + 1
+    assert complete(stack, keys["streams"]).usage.completion_tokens == 2
+
+
 def cached(stack, secret: str, tenant: str | None = None) -> int:
     headers = {"x-switchyard-tenant": tenant} if tenant else None
     reply = complete(stack, secret, prompt=PROMPT, max_tokens=1, extra_headers=headers)
