@@ -718,8 +718,11 @@ def _error(item: schema.WorkItem, code: str, message: str) -> schema.LineResult:
 
 
 def _response_id(response: httpx.Response) -> str | None:
+    """The completion's id; for an answer without one (an error), the response's x-request-id."""
     try:
         body = response.json()
     except ValueError:
-        return response.headers.get("x-request-id")
-    return body.get("id") if isinstance(body, dict) and isinstance(body.get("id"), str) else None
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("id"), str):
+        return str(body["id"])
+    return response.headers.get("x-request-id")

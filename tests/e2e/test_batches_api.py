@@ -133,11 +133,17 @@ def test_metrics_show_batches_by_status_and_their_lines(stack, alice):
 
 def test_a_completions_batch(alice):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
-    data = jsonl([{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions", "body": body} for i in range(3)])
-    batch = alice.batches.create(input_file_id=upload(alice, data), endpoint="/v1/completions", completion_window="24h")
+    several = {"model": MODEL, "prompt": ["Once upon a time", "In a yard"], "max_tokens": 3}  # ingress.prompts
+    lines = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions", "body": body} for i in range(3)]
+    lines.append({"custom_id": "two", "method": "POST", "url": "/v1/completions", "body": several})
+    batch = alice.batches.create(
+        input_file_id=upload(alice, jsonl(lines)), endpoint="/v1/completions", completion_window="24h"
+    )
     done = wait(alice, batch.id, "completed")
     out = lines_of(alice, done.output_file_id)
-    assert len(out) == 3 and all(x["response"]["body"]["object"] == "text_completion" for x in out)
+    assert len(out) == 4 and all(x["response"]["body"]["object"] == "text_completion" for x in out)
+    [two] = [x["response"]["body"] for x in out if x["custom_id"] == "two"]
+    assert [c["index"] for c in two["choices"]] == [0, 1] and two["usage"]["completion_tokens"] == 6
     assert all("cached_tokens" in x["response"]["body"]["usage"]["prompt_tokens_details"] for x in out)
 
 
@@ -151,6 +157,7 @@ def test_a_line_the_model_refuses_is_in_the_error_file(alice):
     [error] = lines_of(alice, done.error_file_id)
     assert error["custom_id"] == "q-1" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["message"]
+    assert error["response"]["request_id"]  # the ingress's x-request-id: an error body has no id
 
 
 def test_list_in_pages_and_tenants_apart(stack, keys, alice):
