@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml scripts/install-system-deps.sh scheduler/_nat
 
 install: $(VENV)/.installed
 
-$(TINY_MODEL)/switchyard-tiny.json: | install
+# Rebuilt when the bundled tokenizer or its chat template changes (the stamp says what it was built from).
+$(TINY_MODEL)/switchyard-tiny.json: switchyard/models/sim-tiny/tokenizer.json switchyard/models/sim-tiny/tokenizer_config.json | install
 	$(VENV)/bin/switchyard build-tiny-model $(TINY_MODEL)
+	touch $@
 
 # The whole stack on this machine: vLLM prefill and decode workers (CPU build) on the
 # tiny model, KV handed over through a private Mooncake Store.

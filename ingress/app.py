@@ -56,6 +56,7 @@ from switchyard.ingress.openai_types import (
     check_sampling,
     decode_body,
     stop_strings,
+    template_kwargs,
 )
 from switchyard.ingress.openapi import openapi_document
 from switchyard.ingress.prompts import Prompts
@@ -224,7 +225,12 @@ class Ingress:
         if body.prompt is not None:
             tokens = await self._off_loop(self._encode, body.prompt)
         else:
-            chat = ChatCompletionRequest(model=self.model, messages=body.messages or [], tools=body.tools)
+            chat = ChatCompletionRequest(
+                model=self.model,
+                messages=body.messages or [],
+                tools=body.tools,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
             tokens = await self._chat_prompt(chat)
         return JSONResponse({"count": len(tokens), "max_model_len": self.tokenizer.info.max_context, "tokens": tokens})
 
@@ -325,10 +331,12 @@ class Ingress:
         return list(prompt)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The messages (and tools) through the model's chat template, tokenized (in the pool)."""
+        """The messages (and tools, and ``chat_template_kwargs``) through the model's chat
+        template, tokenized (in the pool)."""
         messages, tools = chat_messages(body), chat_tools(body)
+        kwargs = template_kwargs(body.chat_template_kwargs, self.tokenizer.template_variables)
         try:
-            return await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(messages, tools)))
+            return await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(messages, tools, kwargs)))
         except TokenizerError as exc:  # the template refused these messages (raise_exception)
             raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 
 import msgspec
 from starlette.datastructures import Headers, MutableHeaders
@@ -30,6 +31,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # rendered by the chat template with the messages
+    chat_template_kwargs: dict[str, Any] | None = None  # likewise (ingress.openai_types.template_kwargs)
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -182,7 +182,7 @@ FIELDS: dict[str, Field] = {
     "add_generation_prompt": _refused(_TEMPLATE, _flag(True), CHAT),
     "continue_final_message": _refused(_TEMPLATE, _flag(False), CHAT),
     "chat_template": _refused(_TEMPLATE, endpoints=CHAT),
-    "chat_template_kwargs": _refused(_TEMPLATE, _empty, CHAT),
+    "chat_template_kwargs": _supported(CHAT),
     "documents": _refused(_TEMPLATE, _empty, CHAT),
     "media_io_kwargs": _refused(_MULTIMODAL, _empty, CHAT),
     "mm_processor_kwargs": _refused(_MULTIMODAL, _empty, CHAT),

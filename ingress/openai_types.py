@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from collections.abc import Iterable
 from itertools import accumulate
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -151,6 +152,9 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's extension: more variables for the chat template (``enable_thinking`` for Qwen3's,
+    # ``thinking`` for DeepSeek's and Kimi's); ``template_kwargs`` checks them.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -250,6 +254,36 @@ def _call_of(call: ToolCall, index: int, j: int) -> dict[str, Any]:
             param=f"messages[{index}].tool_calls[{j}].function.arguments",
         ) from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+# Template variables the ingress sets itself (``ModelTokenizer.render_chat``): not a request's to
+# set through ``chat_template_kwargs``; each has its own field, or none (the tokenizer's tokens).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
+)
+_TEMPLATE_KWARG = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, special_tokens: Iterable[str] = ()) -> dict[str, Any]:
+    """``chat_template_kwargs`` as the template gets them: names of template variables, none
+    that the ingress sets itself (400 naming it). A variable the template does not read changes
+    nothing, as in vLLM (which drops it)."""
+    if not kwargs:
+        return {}
+    reserved = RESERVED_TEMPLATE_KWARGS | set(special_tokens)
+    for name in kwargs:
+        if not _TEMPLATE_KWARG.fullmatch(name):
+            raise InvalidRequest(
+                f"`chat_template_kwargs` names a template variable; {name[:64]!r} is not one.",
+                param="chat_template_kwargs",
+            )
+        if name in reserved:
+            raise InvalidRequest(
+                f"`chat_template_kwargs` may not set {name!r}: the ingress sets it (from the request's own "
+                "fields, or the model's tokenizer).",
+                param="chat_template_kwargs",
+            )
+    return dict(kwargs)
 
 
 def chat_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:

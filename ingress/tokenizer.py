@@ -347,6 +347,11 @@ class ModelTokenizer:
         self.info = info
         self.bytes_per_token = bytes_per_token  # see the module note; None: no bound known
 
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The variables ``render_chat`` sets from the tokenizer (its special tokens)."""
+        return frozenset(self._special_tokens)
+
     @classmethod
     def load(cls, model_dir: Path) -> ModelTokenizer:
         """Read a Hugging Face style model dir; config.json is optional."""
@@ -390,15 +395,20 @@ class ModelTokenizer:
         size = len(text) if text.isascii() else len(text.encode(errors="surrogatepass"))
         return -(-size // self.bytes_per_token)
 
-    def render_chat(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The prompt text for `messages` (and `tools`, OpenAI's shape, as transformers passes
-        them), ending with the assistant's generation prompt."""
+        them), ending with the assistant's generation prompt; `kwargs`: more template variables
+        (a request's ``chat_template_kwargs``), never over the ones set here."""
         if self._chat_template is None:
             raise TokenizerError(f"model {self.info.name!r} has no chat template")
+        ours = {"messages": list(messages), "tools": tools, "add_generation_prompt": True, **self._special_tokens}
         try:
-            return self._chat_template.render(
-                messages=list(messages), tools=tools, add_generation_prompt=True, **self._special_tokens
-            )
+            return self._chat_template.render({**(kwargs or {}), **ours})
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
 

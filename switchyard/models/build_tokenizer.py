@@ -41,6 +41,7 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # ChatML with tools, in the shape Qwen 2.5 ships (Hermes tool calls): the tools in the system
 # turn, an assistant's calls as <tool_call> JSON, tool results as <tool_response> in a user turn.
 # A conversation without tools renders as plain ChatML. For trim_blocks/lstrip_blocks, as HF renders.
+# ``enable_thinking`` false (a chat_template_kwargs) opens the answer with an empty thought, as Qwen3's does.
 CHAT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
@@ -66,6 +67,9 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    # Qwen3's switch (``chat_template_kwargs: {"enable_thinking": false}``): an empty thought.
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
     "{%- endif %}"
 )
 

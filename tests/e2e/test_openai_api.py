@@ -152,6 +152,24 @@ def test_completions_of_several_prompts_refused_whole(client, stack):
     assert len(stack.ingress.router) == 0
 
 
+def test_chat_template_kwargs_reach_the_template(client, stack):
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``, which the bundled template
+    reads as Qwen3's does): the prompt the engine gets is the template's with them."""
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    quiet = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body=kwargs)
+    expected = stack.ingress.tokenizer.encode(
+        stack.ingress.tokenizer.render_chat(MESSAGES, kwargs={"enable_thinking": False})
+    )
+    assert quiet.usage.prompt_tokens == len(expected) > plain.usage.prompt_tokens
+    counted = httpx.post(stack.ingress.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES, **kwargs}).json()
+    assert counted["tokens"] == expected  # /tokenize renders the same
+    with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"chat_template_kwargs": {"messages": []}}
+        )
+
+
 def test_max_completion_tokens_and_content_parts(client):
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=7)

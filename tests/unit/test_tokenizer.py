@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
 import switchyard.ingress.tokenizer as tokenizer_module
+from switchyard.ingress.errors import InvalidRequest
+from switchyard.ingress.openai_types import template_kwargs
 from switchyard.ingress.tokenizer import ModelInfo, ModelTokenizer, TokenizerError
 from switchyard.models import build_tokenizer
 
@@ -63,6 +65,28 @@ EXPECTED_CHATML = (
 
 def test_chat_template_renders_chatml(tok: ModelTokenizer) -> None:
     assert tok.render_chat(CONVERSATION) == EXPECTED_CHATML
+
+
+def test_chat_template_kwargs_reach_the_template_and_never_override_what_it_is_given(tok: ModelTokenizer) -> None:
+    # Qwen3's switch, as the bundled template has it: an empty thought opens the answer.
+    assert (
+        tok.render_chat(CONVERSATION, kwargs={"enable_thinking": False}) == EXPECTED_CHATML + "<think>\n\n</think>\n\n"
+    )
+    assert tok.render_chat(CONVERSATION, kwargs={"enable_thinking": True}) == EXPECTED_CHATML
+    assert tok.render_chat(CONVERSATION, kwargs={"unread_variable": 1}) == EXPECTED_CHATML
+    overridden = {"messages": [], "add_generation_prompt": False, "eos_token": "x"}
+    assert tok.render_chat(CONVERSATION, kwargs=overridden) == EXPECTED_CHATML
+
+
+def test_chat_template_kwargs_may_not_name_what_the_ingress_sets(tok: ModelTokenizer) -> None:
+    assert template_kwargs({"enable_thinking": False, "thinking": True}, tok.template_variables) == {
+        "enable_thinking": False,
+        "thinking": True,
+    }
+    for name in ("messages", "tools", "add_generation_prompt", "eos_token", "not a name", ""):
+        with pytest.raises(InvalidRequest) as caught:
+            template_kwargs({name: 1}, tok.template_variables)
+        assert caught.value.param == "chat_template_kwargs" and repr(name) in caught.value.message
 
 
 def test_chat_special_tokens_encode_as_single_ids(tok: ModelTokenizer) -> None:
