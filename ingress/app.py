@@ -334,7 +334,7 @@ class Ingress:
         """The messages (and tools, and ``chat_template_kwargs``) through the model's chat
         template, tokenized (in the pool)."""
         messages, tools = chat_messages(body), chat_tools(body)
-        kwargs = template_kwargs(body.chat_template_kwargs, self.tokenizer.template_variables)
+        kwargs = template_kwargs(body.chat_template_kwargs, self.tokenizer.template_variables, body.reasoning_effort)
         try:
             return await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(messages, tools, kwargs)))
         except TokenizerError as exc:  # the template refused these messages (raise_exception)

@@ -124,7 +124,7 @@ FIELDS: dict[str, Field] = {
     "modalities": _refused("only text output is supported", _one_of(["text"]), CHAT),
     "audio": _refused("audio output is not supported", endpoints=CHAT),
     "prediction": _no_effect("a predicted output only speeds up generation; it never changes it", CHAT),
-    "reasoning_effort": _refused(_TEMPLATE, endpoints=CHAT),
+    "reasoning_effort": _supported(CHAT),  # a chat template variable, as vLLM passes it
     "verbosity": _refused(_TEMPLATE, _one_of("medium"), CHAT),
     "web_search_options": _refused("web search is not supported", endpoints=CHAT),
     "moderation": _refused("moderation is not supported", endpoints=CHAT),

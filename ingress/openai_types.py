@@ -155,6 +155,9 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     # vLLM's extension: more variables for the chat template (``enable_thinking`` for Qwen3's,
     # ``thinking`` for DeepSeek's and Kimi's); ``template_kwargs`` checks them.
     chat_template_kwargs: dict[str, Any] | None = None
+    # For reasoning models, as vLLM passes it: the template's ``reasoning_effort`` variable, and
+    # ``enable_thinking`` (false for "none") unless ``chat_template_kwargs`` sets that.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -264,12 +267,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 _TEMPLATE_KWARG = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
-def template_kwargs(kwargs: dict[str, Any] | None, special_tokens: Iterable[str] = ()) -> dict[str, Any]:
+def template_kwargs(
+    kwargs: dict[str, Any] | None, special_tokens: Iterable[str] = (), reasoning_effort: str | None = None
+) -> dict[str, Any]:
     """``chat_template_kwargs`` as the template gets them: names of template variables, none
     that the ingress sets itself (400 naming it). A variable the template does not read changes
-    nothing, as in vLLM (which drops it)."""
+    nothing, as in vLLM (which drops it). ``reasoning_effort`` joins them as vLLM passes it."""
+    effort: dict[str, Any] = {}
+    if reasoning_effort is not None:
+        effort = {"reasoning_effort": reasoning_effort, "enable_thinking": reasoning_effort != "none"}
     if not kwargs:
-        return {}
+        return effort
     reserved = RESERVED_TEMPLATE_KWARGS | set(special_tokens)
     for name in kwargs:
         if not _TEMPLATE_KWARG.fullmatch(name):
@@ -283,7 +291,7 @@ def template_kwargs(kwargs: dict[str, Any] | None, special_tokens: Iterable[str]
                 "fields, or the model's tokenizer).",
                 param="chat_template_kwargs",
             )
-    return dict(kwargs)
+    return effort | dict(kwargs) | ({"reasoning_effort": reasoning_effort} if reasoning_effort is not None else {})
 
 
 def chat_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:

@@ -164,6 +164,9 @@ def test_chat_template_kwargs_reach_the_template(client, stack):
     assert quiet.usage.prompt_tokens == len(expected) > plain.usage.prompt_tokens
     counted = httpx.post(stack.ingress.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES, **kwargs}).json()
     assert counted["tokens"] == expected  # /tokenize renders the same
+    # reasoning_effort "none" turns thinking off as vLLM does it (enable_thinking false).
+    effortless = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, reasoning_effort="none")
+    assert effortless.usage.prompt_tokens == len(expected)
     with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
         client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"chat_template_kwargs": {"messages": []}}

@@ -83,6 +83,12 @@ def test_chat_template_kwargs_may_not_name_what_the_ingress_sets(tok: ModelToken
         "enable_thinking": False,
         "thinking": True,
     }
+    # reasoning_effort as vLLM passes it: enable_thinking from it, unless the kwargs set that.
+    assert template_kwargs(None, (), "none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert template_kwargs({"enable_thinking": False}, (), "high") == {
+        "reasoning_effort": "high",
+        "enable_thinking": False,
+    }
     for name in ("messages", "tools", "add_generation_prompt", "eos_token", "not a name", ""):
         with pytest.raises(InvalidRequest) as caught:
             template_kwargs({name: 1}, tok.template_variables)
