@@ -60,6 +60,7 @@ from switchyard.ingress.openai_types import (
 )
 from switchyard.ingress.openapi import openapi_document
 from switchyard.ingress.prompts import Prompts
+from switchyard.ingress.reasoning import opens_thought
 from switchyard.ingress.sampling import sampling_params
 from switchyard.ingress.streams import StreamRouter
 from switchyard.ingress.text import TextAssembler
@@ -165,11 +166,18 @@ class Ingress:
         body = await self._decode(await self._read_body(request), ChatCompletionRequest)
         self._check_common(body)
         tools = ToolPlan.of(body, self.config.tool_call_parser)
-        prompt = await self._chat_prompt(body)
+        prompt, thinking = await self._chat_render(body)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(prompt), requested, param)
-        return await self._generate(request, "chat", body, prompt, max_tokens, tools)
+        reasoning = thinking if self.config.reasoning_parser else None
+        if not body.include_reasoning and reasoning is None:
+            raise InvalidRequest(
+                "`include_reasoning: false` needs a reasoning parser (--reasoning-parser); without one the "
+                "reasoning is not told apart from the content.",
+                param="include_reasoning",
+            )
+        return await self._generate(request, "chat", body, prompt, max_tokens, tools, reasoning)
 
     async def completions(self, request: Request) -> Generation | Prompts:
         body = await self._decode(await self._read_body(request), CompletionRequest)
@@ -331,12 +339,21 @@ class Ingress:
         return list(prompt)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        return (await self._chat_render(body))[0]
+
+    async def _chat_render(self, body: ChatCompletionRequest) -> tuple[list[int], bool]:
         """The messages (and tools, and ``chat_template_kwargs``) through the model's chat
-        template, tokenized (in the pool)."""
+        template, tokenized (in the pool); and whether the prompt ends inside a thought
+        (``ingress.reasoning``)."""
         messages, tools = chat_messages(body), chat_tools(body)
         kwargs = template_kwargs(body.chat_template_kwargs, self.tokenizer.template_variables, body.reasoning_effort)
+
+        def render() -> tuple[list[int], bool]:
+            text = self.tokenizer.render_chat(messages, tools, kwargs)
+            return self._encode(text), opens_thought(text)
+
         try:
-            return await self._off_loop(lambda: self._encode(self.tokenizer.render_chat(messages, tools, kwargs)))
+            return await self._off_loop(render)
         except TokenizerError as exc:  # the template refused these messages (raise_exception)
             raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
 
@@ -377,7 +394,14 @@ class Ingress:
     # --- generation ----------------------------------------------------------------------------
 
     async def _generate(
-        self, request: Request, kind: Kind, body: Any, prompt: list[int], max_tokens: int, tools: ToolPlan | None = None
+        self,
+        request: Request,
+        kind: Kind,
+        body: Any,
+        prompt: list[int],
+        max_tokens: int,
+        tools: ToolPlan | None = None,
+        thinking: bool | None = None,
     ) -> Generation:
         self._check_streams()
         sampling = sampling_params(
@@ -419,6 +443,8 @@ class Ingress:
                 assembler=self._assembler(sampling, stops, tools, body.include_stop_str_in_output),
                 more_assemblers=lambda: self._assembler(sampling, stops, tools, body.include_stop_str_in_output),
                 tools=tools,
+                thinking=thinking,
+                include_reasoning=getattr(body, "include_reasoning", True),
                 token_text=self.tokenizer.token_text if sampling.logprobs is not None else None,
                 inbox=inbox,
                 span=span,

@@ -134,6 +134,15 @@ class IngressConfig(ConfigStruct, frozen=True, kw_only=True):
         Literal["", "hermes", "llama3_json", "kimi_k2"],
         setting("the model's tool-call format: hermes (Hermes, Qwen), llama3_json, kimi_k2; empty: none"),
     ] = ""
+    # How the model marks its thinking (ingress.reasoning): with one, chat answers carry it as
+    # `reasoning`, apart from `content`, as vLLM's --reasoning-parser does.
+    reasoning_parser: Annotated[
+        Literal["", "think"],
+        setting(
+            "the model's thinking format: think (<think>...</think>: Qwen3, DeepSeek-R1 and the like); "
+            "empty: none, the thinking stays in the content"
+        ),
+    ] = ""
     cors_allow_origins: Annotated[
         str, setting('origins browsers may call the API from, comma-separated ("*": any; empty: no CORS)')
     ] = ""

@@ -157,7 +157,7 @@ FIELDS: dict[str, Field] = {
     "watermarking": _refused("watermarking is not supported"),
     "repetition_detection": _refused(_SAMPLING),
     "thinking_token_budget": _refused(_TEMPLATE),
-    "include_reasoning": _refused("reasoning is not parsed out of the text", _flag(True), CHAT),
+    "include_reasoning": _supported(CHAT),  # false needs --reasoning-parser (ingress.reasoning)
     # --- vLLM extensions: structured outputs ----------------------------------------------------
     "structured_outputs": _supported(),
     "guided_json": _supported(),

@@ -49,6 +49,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from switchyard.ingress.errors import ApiError, Unavailable, generation_error, internal_error
 from switchyard.ingress.logprobs import TokenText, chat_logprobs, completion_logprobs
+from switchyard.ingress.reasoning import Piece, ThinkSplitter
 from switchyard.ingress.streams import Inbox, StreamFailed, StreamRouter, TokenSequencer
 from switchyard.ingress.text import TextAssembler
 from switchyard.ingress.tool_calls import ToolPlan
@@ -104,6 +105,7 @@ class Choice:
     assembler: TextAssembler
     output: list[int] = field(default_factory=list)  # every token delivered, for a migration
     reader: StreamingParser | None = None  # its tool calls, when the request has tools
+    splitter: ThinkSplitter | None = None  # its reasoning apart, with a reasoning parser
     logprobs_sent: int = 0  # entries of ``sequencer.logprobs`` delivered
     text_offset: int = 0  # completions' text_offset: the characters of tokens delivered
     called: bool = False  # a tool call was sent
@@ -145,6 +147,10 @@ class Generation:
     token_text: TokenText | None = None  # set when the request asked for logprobs
     # The assembler of each further choice (``SamplingParams.n`` > 1).
     more_assemblers: Callable[[], TextAssembler] | None = None
+    # With a reasoning parser (chat): whether the output starts inside a thought (its prompt
+    # ends in one); None: no parser, thinking stays in the content (ingress.reasoning).
+    thinking: bool | None = None
+    include_reasoning: bool = True  # false: the reasoning split off is dropped
     choices: list[Choice] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +163,7 @@ class Generation:
         self.choices = [first, *more]
         for choice in self.choices:
             choice.reader = self.tools.stream() if self.tools is not None else None
+            choice.splitter = ThinkSplitter(self.thinking) if self.thinking is not None else None
 
     @property
     def completion_tokens(self) -> int:
@@ -362,6 +369,13 @@ class Generation:
         if self.kind != "chat":
             return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if choice.splitter is not None:
+            pieces = [*choice.splitter.push(text), *choice.splitter.finish()]
+            text = "".join(piece for kind, piece in pieces if kind == "content")
+            message["content"] = text
+            reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
+            message["reasoning"] = (reasoning or None) if self.include_reasoning else None
+            message["content"] = text or None  # as vLLM: a thought cut off has no content
         if choice.reader is not None:
             parsed = collect([*choice.reader.push(text), *choice.reader.finish()])
             message["content"] = parsed.content
@@ -378,7 +392,7 @@ class Generation:
     async def _send_stream(self, send) -> None:
         frames = _DeltaFrames(self._chunk({"content": ""} if self.kind == "chat" else "", None))
         plain = len(self.choices) == 1 and self.tools is None and self.token_text is None
-        plain = plain and not self.continuous_usage
+        plain = plain and not self.continuous_usage and self.thinking is None
 
         async def emit(choice: Choice, text: str, logprobs: dict | None) -> None:
             if plain:  # the hot path: a pre-encoded frame around the text
@@ -387,12 +401,15 @@ class Generation:
                     body = await self._start_stream(send) + body
                 await send({"type": "http.response.body", "body": body, "more_body": True})
                 return
-            events: list[Event] = choice.reader.push(text) if choice.reader is not None else ([text] if text else [])
-            await self._send_events(send, choice, events, logprobs)
+            await self._send_events(send, choice, _events(choice, text, self.include_reasoning), logprobs)
 
         try:
             await self._generate(emit)
             for choice in self.choices:
+                if choice.splitter is not None:
+                    await self._send_events(
+                        send, choice, _events(choice, "", self.include_reasoning, finish=True), None
+                    )
                 if choice.reader is not None:
                     await self._send_events(send, choice, choice.reader.finish(), None)
         except StreamFailed as exc:
@@ -416,12 +433,19 @@ class Generation:
         body = head + b"".join(_sse(event) for event in ending) + b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _send_events(self, send, choice: Choice, events: list[Event], logprobs: dict | None) -> None:
+    async def _send_events(
+        self, send, choice: Choice, events: list[Event] | list[Event | Reasoning], logprobs: dict | None
+    ) -> None:
         """One choice's content and tool-call deltas, one chunk each (consecutive text
         joined); the logprobs ride on the first, or on an empty delta of their own."""
         deltas: list[dict | str] = []
         for event in events:
-            if isinstance(event, ToolCallDelta):
+            if isinstance(event, Reasoning):
+                if deltas and isinstance(deltas[-1], dict) and "reasoning" in deltas[-1]:
+                    deltas[-1]["reasoning"] += event.text
+                else:
+                    deltas.append({"reasoning": event.text})
+            elif isinstance(event, ToolCallDelta):
                 choice.called = True
                 deltas.append({"tool_calls": [_call_delta(event)]})
             elif self.kind != "chat":
@@ -542,6 +566,32 @@ class Generation:
             last = self.inbox.progress_at
             if self.assembler.tokens > 1 and last is not None:
                 m.tpot.observe((last - self.first_token_at) / (self.assembler.tokens - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """A piece of a choice's reasoning (``delta.reasoning``), apart from its content."""
+
+    text: str
+
+
+def _events(choice: Choice, text: str, include_reasoning: bool = True, finish: bool = False) -> list[Event | Reasoning]:
+    """A choice's next text as stream events: its reasoning apart (``choice.splitter``; dropped
+    unless ``include_reasoning``), the rest through its tool-call reader (``choice.reader``), or
+    as content."""
+    pieces: list[tuple[Piece, str]] = [("content", text)] if text else []
+    if choice.splitter is not None:
+        pieces = choice.splitter.finish() if finish else choice.splitter.push(text)
+    events: list[Event | Reasoning] = []
+    for kind, piece in pieces:
+        if kind == "reasoning":
+            if include_reasoning:
+                events.append(Reasoning(piece))
+        elif choice.reader is not None:
+            events += choice.reader.push(piece)
+        else:
+            events.append(piece)
+    return events
 
 
 def _call_delta(delta: ToolCallDelta) -> dict:

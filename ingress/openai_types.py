@@ -158,6 +158,7 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     # For reasoning models, as vLLM passes it: the template's ``reasoning_effort`` variable, and
     # ``enable_thinking`` (false for "none") unless ``chat_template_kwargs`` sets that.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning a reasoning parser splits off
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):

@@ -41,7 +41,8 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # ChatML with tools, in the shape Qwen 2.5 ships (Hermes tool calls): the tools in the system
 # turn, an assistant's calls as <tool_call> JSON, tool results as <tool_response> in a user turn.
 # A conversation without tools renders as plain ChatML. For trim_blocks/lstrip_blocks, as HF renders.
-# ``enable_thinking`` false (a chat_template_kwargs) opens the answer with an empty thought, as Qwen3's does.
+# ``enable_thinking`` false (a chat_template_kwargs) opens the answer with an empty thought, as Qwen3's does;
+# ``thinking`` true opens it inside a thought, as DeepSeek-V3.1's does.
 CHAT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
@@ -69,6 +70,8 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     # Qwen3's switch (``chat_template_kwargs: {"enable_thinking": false}``): an empty thought.
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    # DeepSeek-V3.1's (``{"thinking": true}``): the answer opens inside a thought.
+    "{%- elif thinking is defined and thinking is true %}{{- '<think>' }}"
     "{%- endif %}"
     "{%- endif %}"
 )

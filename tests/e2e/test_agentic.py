@@ -54,7 +54,9 @@ def stack(module_nats):
         tokenizer_path=SIM.tokenizer_path,
     )
     with running_stack(
-        module_nats.url, worker_overrides={"sim": sim}, ingress_overrides={"tool_call_parser": "hermes"}
+        module_nats.url,
+        worker_overrides={"sim": sim},
+        ingress_overrides={"tool_call_parser": "hermes", "reasoning_parser": "think"},
     ) as s:
         yield s
 
@@ -78,6 +80,38 @@ def assert_valid_calls(message) -> None:
     for call in message.tool_calls:
         assert call.id and call.type == "function"
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def reasoning_of(client, stream: bool, **kwargs) -> tuple[str | None, str | None, str]:
+    """(reasoning, content, finish_reason) of a chat completion, streamed or not."""
+    kwargs = {"model": MODEL, "max_tokens": 30, "temperature": 0, "messages": ASK, **kwargs}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return getattr(choice.message, "reasoning", None), choice.message.content, choice.finish_reason
+    reasoning, content, finish = [], [], ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            reasoning.append(getattr(choice.delta, "reasoning", None) or "")
+            content.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(reasoning) or None, "".join(content) or None, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_with_a_reasoning_parser_a_thought_comes_apart_from_the_content(client, stream):
+    """``--reasoning-parser think``: a prompt the template ends inside a thought (DeepSeek-V3.1's
+    ``thinking``, which the bundled template has) makes the output reasoning until ``</think>``;
+    the sim never writes one, so all of it is, as a thought cut off by ``max_tokens`` is."""
+    thought = reasoning_of(client, stream, extra_body={"chat_template_kwargs": {"thinking": True}})
+    reasoning, content, finish = thought
+    assert reasoning and content is None and finish in ("stop", "length")
+    assert thought == reasoning_of(client, not stream, extra_body={"chat_template_kwargs": {"thinking": True}})
+    hidden = {"chat_template_kwargs": {"thinking": True}, "include_reasoning": False}
+    assert reasoning_of(client, stream, extra_body=hidden) == (None, None, finish)  # vLLM's include_reasoning
+    # No thought opened (Qwen3's enable_thinking false closes an empty one): all of it is content.
+    for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        reasoning, content, _ = reasoning_of(client, stream, extra_body=kwargs)
+        assert reasoning is None and content
 
 
 # --- tool calls -----------------------------------------------------------------------------

@@ -167,6 +167,10 @@ def test_chat_template_kwargs_reach_the_template(client, stack):
     # reasoning_effort "none" turns thinking off as vLLM does it (enable_thinking false).
     effortless = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, reasoning_effort="none")
     assert effortless.usage.prompt_tokens == len(expected)
+    with pytest.raises(openai.BadRequestError, match="needs a reasoning parser"):  # this stack has none
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"include_reasoning": False}
+        )
     with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
         client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"chat_template_kwargs": {"messages": []}}
