@@ -443,7 +443,9 @@ class Ingress:
                 assembler=self._assembler(sampling, stops, tools, body.include_stop_str_in_output),
                 more_assemblers=lambda: self._assembler(sampling, stops, tools, body.include_stop_str_in_output),
                 tools=tools,
-                thinking=thinking,
+                # A constrained output (a schema, a forced call) is the answer from its first
+                # token: the engine applies the grammar from there, so no thought comes first.
+                thinking=thinking if sampling.structured is None else None,
                 include_reasoning=getattr(body, "include_reasoning", True),
                 token_text=self.tokenizer.token_text if sampling.logprobs is not None else None,
                 inbox=inbox,

@@ -108,6 +108,19 @@ def test_with_a_reasoning_parser_a_thought_comes_apart_from_the_content(client, 
     assert thought == reasoning_of(client, not stream, extra_body={"chat_template_kwargs": {"thinking": True}})
     hidden = {"chat_template_kwargs": {"thinking": True}, "include_reasoning": False}
     assert reasoning_of(client, stream, extra_body=hidden) == (None, None, finish)  # vLLM's include_reasoning
+    # A constrained output is the answer from its first token (the grammar applies from there),
+    # whatever the prompt opened: here the forced call's arguments, not reasoning.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = chat(
+        client,
+        stream,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=named,
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    )
+    assert_valid_calls(forced.choices[0].message)
+    assert getattr(forced.choices[0].message, "reasoning", None) is None
     # No thought opened (Qwen3's enable_thinking false closes an empty one): all of it is content.
     for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
         reasoning, content, _ = reasoning_of(client, stream, extra_body=kwargs)
