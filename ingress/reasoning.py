@@ -103,4 +103,4 @@ def _merged(pieces: list[tuple[Piece, str]]) -> list[tuple[Piece, str]]:
     return out
 
 
-__all__ = ["THINK_END", "THINK_START", "ThinkSplitter", "opens_thought"]
+__all__ = ["THINK_END", "THINK_START", "Piece", "ThinkSplitter", "opens_thought"]
