@@ -65,6 +65,10 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's earlier thinking (vLLM's ``reasoning``; ``reasoning_content`` its older
+    # name), for templates that render it back (interleaved thinking between tool calls).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(msgspec.Struct, frozen=True, kw_only=True):
@@ -241,6 +245,9 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
             if message.role != "assistant":
                 raise InvalidRequest("Only assistant messages carry `tool_calls`.", param=f"messages[{i}].tool_calls")
             rendered["tool_calls"] = [_call_of(call, i, j) for j, call in enumerate(message.tool_calls)]
+        reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+        if reasoning is not None and message.role == "assistant":  # under both names, as vLLM gives it
+            rendered["reasoning"] = rendered["reasoning_content"] = reasoning
         if message.role == "tool":
             if message.tool_call_id is None:
                 raise InvalidRequest("A tool message needs its `tool_call_id`.", param=f"messages[{i}].tool_call_id")

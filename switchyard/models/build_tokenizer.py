@@ -42,7 +42,8 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # turn, an assistant's calls as <tool_call> JSON, tool results as <tool_response> in a user turn.
 # A conversation without tools renders as plain ChatML. For trim_blocks/lstrip_blocks, as HF renders.
 # ``enable_thinking`` false (a chat_template_kwargs) opens the answer with an empty thought, as Qwen3's does;
-# ``thinking`` true opens it inside a thought, as DeepSeek-V3.1's does.
+# ``thinking`` true opens it inside a thought, as DeepSeek-V3.1's does. An assistant's tool-calling
+# turn renders its ``reasoning_content`` back as a thought, as Qwen3's does within a turn.
 CHAT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
@@ -59,7 +60,9 @@ CHAT_TEMPLATE = (
     "{%- endif %}{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
-    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}{{- '<|im_start|>assistant\\n' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['reasoning_content'] %}{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message['content'] }}"
     "{%- for call in message['tool_calls'] %}"
     "{%- if message['content'] or not loop.first %}{{- '\\n' }}"
     "{%- endif %}{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"

@@ -159,6 +159,23 @@ def test_a_named_tool_call_round_trip(client, stack, stream):
     assert "<tool_response>\nSunny, 21 degrees.\n</tool_response>" in text
 
 
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_an_assistants_earlier_thinking_reaches_the_template(stack, field):
+    """Interleaved thinking: a tool-calling turn sent back with its reasoning (vLLM's field, or
+    its older name) gives it to the template, which renders it as Qwen3's does."""
+    args = '{"city": "Paris", "unit": "celsius"}'
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    conversation = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call], field: "Paris first."},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."},
+    ]
+    body = {"messages": conversation, "tools": TOOLS, "model": MODEL}
+    tokens = httpx.post(f"{stack.ingress.url}/tokenize", json=body).json()["tokens"]
+    text = httpx.post(f"{stack.ingress.url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert "assistant\n<think>\nParis first.\n</think>\n\n<tool_call>" in text  # (special tokens not shown)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tool_choice_required_always_calls_a_tool(client, stream):
     names = set()
