@@ -74,6 +74,39 @@ def test_stream_continues_on_another_decode_worker_with_the_same_text(nats):
         assert _metric(metrics, "switchyard_recomputed_tokens_total") > 0
 
 
+def test_a_stream_of_several_prompts_continues_each_on_another_decode_worker(nats):
+    """A completions request of two prompts is two requests (ingress.prompts) on the one decode
+    worker: killed mid-stream, each continues elsewhere, and the one response is unbroken."""
+    prompts = ["Count the wagons in the yard.", "Then count the carriages on track nine."]
+    with running_stack(nats.url, decode=0, scheduler=SchedulerConfig(worker_expiry_s=0.5)) as stack:
+        child = _decode_process(nats.url)
+        try:
+            stack.wait_healthy(prefill=1, decode=1, timeout_s=20)
+            client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30)
+            stream = client.completions.create(
+                model=MODEL, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
+            texts: dict[int, str] = {0: "", 1: ""}
+            seen = {0: 0, 1: 0}
+            killed = False
+            for chunk in stream:
+                for choice in chunk.choices:
+                    texts[choice.index] += choice.text
+                    seen[choice.index] += 1
+                if not killed and min(seen.values()) >= 4:  # both mid-stream on the child
+                    killed = True
+                    stack.add_worker(worker_config(nats.url, "decode"))
+                    stack.wait_healthy(prefill=1, decode=2)
+                    child.send_signal(signal.SIGKILL)
+        finally:
+            procs.stop([child])
+        assert child.returncode == -signal.SIGKILL
+        undisturbed = client.completions.create(model=MODEL, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0)
+        assert texts == {c.index: c.text for c in undisturbed.choices}
+        metrics = httpx.get(stack.ingress.url + "/metrics").text
+        assert _metric(metrics, 'switchyard_migrations_total{outcome="resumed"}') == 2
+
+
 def test_a_stream_takes_no_tokens_from_a_worker_not_assigned_to_it(nats):
     """Another process forges the rest of a live stream (tokens and a finish) under a worker
     id of its own: the ingress refuses them, counts them, and the client's text is the
