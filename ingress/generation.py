@@ -60,12 +60,12 @@ from switchyard.schemas import Cancel, RequestSpec, StreamError, TokenLogprobs, 
 log = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
-_SSE_HEADERS = [
+SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-_JSON_HEADERS = [(b"content-type", b"application/json")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
 # Errors that end a run, not the request: it continues elsewhere (see the module's note).
 _MIGRATABLE = frozenset({"worker_lost", "scheduler_failover", "stream_lost", "region_lost"})
 
@@ -372,7 +372,6 @@ class Generation:
         if choice.splitter is not None:
             pieces = [*choice.splitter.push(text), *choice.splitter.finish()]
             text = "".join(piece for kind, piece in pieces if kind == "content")
-            message["content"] = text
             reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
             message["reasoning"] = (reasoning or None) if self.include_reasoning else None
             message["content"] = text or None  # as vLLM: a thought cut off has no content
@@ -430,7 +429,7 @@ class Generation:
             ending[-1]["usage"] = self.usage()
         if self.include_usage:
             ending.append(self._usage_chunk())
-        body = head + b"".join(_sse(event) for event in ending) + b"data: [DONE]\n\n"
+        body = head + b"".join(sse(event) for event in ending) + b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _send_events(
@@ -463,21 +462,21 @@ class Generation:
                 chunk["choices"][0]["logprobs"] = logprobs
             if self.continuous_usage:
                 chunk["usage"] = self.usage()
-            await send({"type": "http.response.body", "body": head + _sse(chunk), "more_body": True})
+            await send({"type": "http.response.body", "body": head + sse(chunk), "more_body": True})
             head = b""
 
     async def _start_stream(self, send) -> bytes:
         """Start the SSE response, once its first delta or its ending is known (see the
         module's note); returns its role chunks (chat), one per choice, for the caller to
         send in one write with what follows them."""
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         self.response_started = True
         if self.kind != "chat":
             return b""
-        return b"".join(_sse(self._chunk({"role": "assistant", "content": ""}, None, c.index)) for c in self.choices)
+        return b"".join(sse(self._chunk({"role": "assistant", "content": ""}, None, c.index)) for c in self.choices)
 
     async def _event(self, send, payload: dict) -> None:
-        await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
+        await send({"type": "http.response.body", "body": sse(payload), "more_body": True})
 
     def _chunk(self, delta: dict | str, finish_reason: str | None, index: int = 0) -> dict:
         if self.kind == "chat":
@@ -617,7 +616,8 @@ def _joined(parts: list[dict], kind: Kind) -> dict:
     return joined
 
 
-def _sse(payload: dict) -> bytes:
+def sse(payload: dict) -> bytes:
+    """One server-sent event of ``payload`` (``ingress.prompts`` relays them too)."""
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
@@ -633,7 +633,7 @@ class _DeltaFrames:
             choice["delta"]["content"] = self._MARK
         else:
             choice["text"] = self._MARK
-        encoded = _sse(template)
+        encoded = sse(template)
         mark = msgspec.json.encode(self._MARK)
         self._head, self._tail = encoded.split(mark)
 
@@ -648,9 +648,9 @@ _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion
 async def _send_json(send, error: ApiError | None, body: dict | None = None) -> None:
     """``body`` with 200, or ``error`` with its status and its headers (a Retry-After)."""
     if error is None:
-        status, payload, headers = 200, msgspec.json.encode(body), _JSON_HEADERS
+        status, payload, headers = 200, msgspec.json.encode(body), JSON_HEADERS
     else:
         status, payload = error.status, error.encoded()
-        headers = [*_JSON_HEADERS, *((name.encode(), value.encode()) for name, value in error.headers().items())]
+        headers = [*JSON_HEADERS, *((name.encode(), value.encode()) for name, value in error.headers().items())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})

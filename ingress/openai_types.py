@@ -281,11 +281,7 @@ def template_kwargs(
     """``chat_template_kwargs`` as the template gets them: names of template variables, none
     that the ingress sets itself (400 naming it). A variable the template does not read changes
     nothing, as in vLLM (which drops it). ``reasoning_effort`` joins them as vLLM passes it."""
-    effort: dict[str, Any] = {}
-    if reasoning_effort is not None:
-        effort = {"reasoning_effort": reasoning_effort, "enable_thinking": reasoning_effort != "none"}
-    if not kwargs:
-        return effort
+    kwargs = kwargs or {}
     reserved = RESERVED_TEMPLATE_KWARGS | set(special_tokens)
     for name in kwargs:
         if not _TEMPLATE_KWARG.fullmatch(name):
@@ -299,7 +295,11 @@ def template_kwargs(
                 "fields, or the model's tokenizer).",
                 param="chat_template_kwargs",
             )
-    return effort | dict(kwargs) | ({"reasoning_effort": reasoning_effort} if reasoning_effort is not None else {})
+    merged = dict(kwargs)
+    if reasoning_effort is not None:  # its enable_thinking unless the kwargs set one
+        merged.setdefault("enable_thinking", reasoning_effort != "none")
+        merged["reasoning_effort"] = reasoning_effort
+    return merged
 
 
 def chat_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:

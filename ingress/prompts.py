@@ -31,14 +31,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from switchyard.ingress.generation import Generation
+from switchyard.ingress.generation import JSON_HEADERS, SSE_HEADERS, Generation, sse
 
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-_JSON_HEADERS = [(b"content-type", b"application/json")]
 _DONE = b"[DONE]"
 
 
@@ -132,7 +126,7 @@ class Prompts:
             "choices": choices,
             "usage": self._usage(),
         }
-        await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": msgspec.json.encode(body), "more_body": False})
 
     async def _send_failure(self, send) -> None:
@@ -164,7 +158,7 @@ class Prompts:
                 await self._start(send)
                 await send({"type": "http.response.body", "body": events, "more_body": True})
             if failed:
-                self._fail(_Failure(200, _SSE_HEADERS))
+                self._fail(_Failure(200, SSE_HEADERS))
 
         return relay
 
@@ -173,7 +167,7 @@ class Prompts:
         yet, else an error event in the stream (the other prompts' deltas went out)."""
         if self._started:
             await send({"type": "http.response.body", "body": b"data: " + failure.body + b"\n\n", "more_body": True})
-            self._fail(_Failure(200, _SSE_HEADERS))
+            self._fail(_Failure(200, SSE_HEADERS))
         else:
             self._fail(failure)
 
@@ -197,13 +191,13 @@ class Prompts:
                 for choice in payload["choices"]:
                     choice["index"] += i * self._n
                 payload["id"], payload["created"] = self._id, self._created
-            out.append(b"data: " + msgspec.json.encode(payload) + b"\n\n")
+            out.append(sse(payload))
         return b"".join(out), failed
 
     async def _start(self, send) -> None:
         if not self._started:
             self._started = True
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
     async def _end_stream(self, send) -> None:
         if self._failure is not None and not self._started:
@@ -222,7 +216,7 @@ class Prompts:
                 "choices": [],
                 "usage": self._usage(),
             }
-            ending = b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+            ending = sse(chunk)
         await send({"type": "http.response.body", "body": ending + b"data: [DONE]\n\n", "more_body": False})
 
     def _usage(self) -> dict:

@@ -524,8 +524,10 @@ class VllmEngine:
             finally:
                 # It stays ``running`` until ``step`` took its last outputs: a request vLLM
                 # refuses before any await ends here before the role's loop first looks at
-                # ``running``, which would otherwise never step for its refusal.
-                self._ended.append((rid, decoding))
+                # ``running``, which would otherwise never step for its refusal. (One aborted
+                # is out of ``_decoding`` already: nothing of it is left to take.)
+                if self._decoding.get(rid) is decoding:
+                    self._ended.append((rid, decoding))
                 self._ready.set()
 
     async def _stream_decode(self, llm: Any, task: DecodeTask, vllm_rid: str, decoding: _Decoding) -> None:
